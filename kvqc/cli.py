@@ -1,0 +1,116 @@
+"""The `kvqc` command: build, check, list and explain schemes.
+
+Exit status: 0 success, 1 a stale module under --check, 2 a bad scheme or bad arguments (one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .spec import Scheme, SchemeError, load_scheme
+
+
+def _schemes(paths: list[str]) -> list[Path]:
+    if paths:
+        return [Path(p) for p in paths]
+    found = sorted(Path("schemes").glob("*.yaml"))
+    if not found:
+        raise SchemeError("schemes/", "", "no *.yaml files here; pass scheme files or run from the repository root")
+    return found
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .codegen import render, write_atomic
+
+    # Validate and render everything first, so one bad scheme leaves generated/ untouched.
+    rendered: list[tuple[Scheme, Path, str]] = []
+    for path in _schemes(args.schemes):
+        scheme = load_scheme(path)
+        rendered.append((scheme, Path(args.out) / f"{scheme.name}.py", render(scheme)))
+    names = [s.name for s, _, _ in rendered]
+    for name in {n for n in names if names.count(n) > 1}:
+        raise SchemeError(str(rendered[names.index(name)][0].source), "name", f"'{name}' is built by two schemes")
+    stale = 0
+    for scheme, target, source in rendered:
+        current = target.read_text(encoding="utf-8") if target.exists() else None
+        if args.check:
+            if current != source:
+                stale += 1
+                print(f"{target}: stale, run `kvqc build {scheme.source}`", file=sys.stderr)
+        elif current != source:
+            write_atomic(target, source)
+            print(f"{scheme.source} -> {target}")
+        else:
+            print(f"{target}: up to date")
+    return 1 if stale else 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from .layout import plan
+
+    d = args.head_dim
+    print(f"{'scheme':<20} {'K bits':>7} {'V bits':>7} {'bytes/token':>12} {'vs fp16':>8}   (head_dim {d}, 16-bit metadata)")
+    for path in _schemes(args.schemes):
+        scheme = load_scheme(path)
+        if d not in scheme.head_dims:
+            print(f"{scheme.name:<20} (not built for head_dim {d}; built for {list(scheme.head_dims)})")
+            continue
+        layout = plan(scheme)
+        kb, vb = scheme.bits_per_coordinate(d)
+        print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} {layout.compression_ratio(d):>7.2f}x")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .codegen import describe
+    from .layout import plan
+
+    scheme = load_scheme(args.scheme)
+    layout = plan(scheme)
+    d = args.head_dim if args.head_dim in scheme.head_dims else scheme.head_dims[-1]
+    print(f"{scheme.name}: {' '.join(scheme.description.split()) or '(no description)'}")
+    print(f"head_dims: {list(scheme.head_dims)}; shown for head_dim {d}, model dtype fp16, B = block_size, H = KV heads")
+    print("cache tensors ([num_blocks, B, H, ...], LMDeploy's 'bshd' layout):")
+    for side in layout.sides:
+        planes = " + ".join(f"{p.width}-bit" for p in side.planes)
+        print(f"  {side.name}_codes  uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord ({planes} planes)")
+        print(f"  {side.name}_meta   fp16    [num_blocks, B, H, {len(side.metadata)}]  {', '.join(side.metadata)}")
+    print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), {layout.compression_ratio(d):.2f}x smaller")
+    for side in layout.sides:
+        print(f"{side.name}: {describe(side)}")
+    print("kernels:")
+    print("  fill     quantize new tokens [T, H, d] and write them to slot_mapping's slots (negative = skip)")
+    print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
+    print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
+    print("           the query is rotated once and the output rotated back once")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvqc", description="Compile KV-cache quantization schemes to Triton kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="render schemes into generated/<name>.py")
+    p.add_argument("schemes", nargs="*", help="scheme files (default: schemes/*.yaml)")
+    p.add_argument("--out", default="generated", help="output directory (default: generated)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a module differs from its scheme")
+    p.set_defaults(run=_build)
+    p = sub.add_parser("list", help="the schemes, one line each: bits per coordinate and compression")
+    p.add_argument("schemes", nargs="*", help="scheme files (default: schemes/*.yaml)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.set_defaults(run=_list)
+    p = sub.add_parser("explain", help="a scheme's cache layout and kernels")
+    p.add_argument("scheme")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.set_defaults(run=_explain)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except SchemeError as exc:
+        print(f"kvqc: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

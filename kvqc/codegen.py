@@ -1,0 +1,97 @@
+"""Render: a Layout becomes the source of one self-contained module of Triton kernels.
+
+Only numbers, dtypes and validated identifiers reach the source; the scheme's free text (its description) never
+does. The same scheme gives byte-identical output on every run, and files are replaced atomically.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pprint
+import re
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from . import __version__, rotation
+from .layout import Layout, SideLayout, plan
+from .spec import Scheme
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+def _environment() -> jinja2.Environment:
+    if not (TEMPLATES / "module.py.j2").is_file():
+        raise FileNotFoundError(f"kvqc templates not found in {TEMPLATES}; install kvqc from a checkout with `pip install -e .`")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _floats(values: tuple[float, ...]) -> str:
+    return "(" + ", ".join(repr(float(v)) for v in values) + ")"
+
+
+def describe(side: SideLayout) -> str:
+    """One line saying what a side stores, for docstrings and `kvqc explain`."""
+    s = side.scheme
+    parts = []
+    if s.rotation.kind == "hadamard":
+        parts.append("randomized Hadamard rotation" if s.rotation.signs else "Walsh-Hadamard rotation")
+    if s.scale.kind == "norm":
+        law = "N(0,1/d)" if s.codebook.law == "gaussian" else "unit-sphere"
+        parts.append(f"per-token L2 norm, {s.codebook.bits}-bit Lloyd-Max ({law} law)")
+    else:
+        parts.append(f"per-token affine {s.codebook.bits}-bit (scale, zero)")
+    if s.residual.kind == "sign":
+        parts.append("1-bit residual sign with its RMS")
+    elif s.residual.kind == "qjl":
+        parts.append(f"1-bit QJL residual (seed {s.residual.seed})")
+    parts.append(f"{s.packing} packing")
+    return ", ".join(parts)
+
+
+def _generator_source() -> str:
+    return "\n\n\n".join(
+        inspect.getsource(f).strip() for f in (rotation.splitmix64, rotation.uniform, rotation.gaussian_matrix)
+    )
+
+
+def render(scheme: Scheme) -> str:
+    layout: Layout = plan(scheme)
+    data = scheme.to_dict()
+    data.pop("description")  # free text stays out of generated source
+    source = _environment().get_template("module.py.j2").render(
+        version=__version__,
+        scheme=scheme,
+        layout=layout,
+        scheme_literal=pprint.pformat(data, width=100, sort_dicts=True),
+        floats=_floats,
+        describe=describe,
+        example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
+        generator_source=_generator_source(),
+    )
+    source = re.sub(r"[ \t]+\n", "\n", source)
+    source = re.sub(r"\n{4,}", "\n\n\n", source)
+    compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
+    return source
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers see the old file or the new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

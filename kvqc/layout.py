@@ -1,0 +1,155 @@
+"""Plan: everything the templates need about a scheme's cache, so that they compute nothing themselves.
+
+Terms used across kvqc and the generated code:
+
+- *code*: the unsigned integer stored for one coordinate: the codebook index in the low `codebook.bits` bits and,
+  for a residual stage, its sign bit above them (LMDeploy's nibble = idx3 | sign << 3).
+- *plane*: codes are split into bit planes of width 8, 4, 2 or 1 (the binary digits of the code width), each
+  plane packed on its own so that a 3-bit code costs 3 bits and not 4.
+- *position*: where a code sits in the unpacked tile. Position p is held by byte p // k of its plane at field
+  p % k (k = 8 / width). `interleaved` packing stores coordinate p at position p; `split` packing (LMDeploy)
+  stores coordinate (p % k) * (d / k) + p // k there. Kernels work in position order; the permutation is folded
+  into the rotation matrix, so it costs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import rotation
+from .spec import Scheme, TensorScheme
+
+
+@dataclass(frozen=True)
+class Plane:
+    width: int  # bits per code in this plane: 8, 4, 2 or 1
+    shift: int  # the plane holds bits [shift, shift + width) of the code
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.width
+
+
+@dataclass(frozen=True)
+class SideLayout:
+    """The cache format of one of K or V, for every head_dim the scheme supports."""
+
+    name: str  # "key" or "value"
+    scheme: TensorScheme
+    head_dims: tuple[int, ...]
+
+    @property
+    def code_bits(self) -> int:
+        return self.scheme.code_bits
+
+    @property
+    def index_bits(self) -> int:
+        return self.scheme.codebook.bits
+
+    @property
+    def planes(self) -> tuple[Plane, ...]:
+        out, shift = [], 0
+        for width in (1, 2, 4, 8):  # least significant bits first
+            if self.code_bits & width:
+                out.append(Plane(width, shift))
+                shift += width
+        return tuple(out)
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.code_bits // 8
+
+    def plane_offsets(self, head_dim: int) -> tuple[int, ...]:
+        """Byte offset of each plane inside one token-head's codes."""
+        offsets, at = [], 0
+        for plane in self.planes:
+            offsets.append(at)
+            at += head_dim * plane.width // 8
+        return tuple(offsets)
+
+    @property
+    def plane_offsets_expr(self) -> tuple[str, ...]:
+        """The plane offsets as constexpr expressions of HEAD_DIM, for the kernels."""
+        out, bits = [], 0
+        for plane in self.planes:
+            out.append(f"HEAD_DIM * {bits} // 8" if bits else "0")
+            bits += plane.width
+        return tuple(out)
+
+    @property
+    def metadata(self) -> tuple[str, ...]:
+        return self.scheme.metadata
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """Constant tensors the kernels read, built once per head_dim and device by the generated module."""
+        out = ["matrix"] if self.uses_matrix else []
+        if self.scheme.codebook.kind == "lloyd_max":
+            out += ["centroids", "boundaries"]
+        if self.scheme.residual.kind == "qjl":
+            out.append("qjl")
+        return tuple(out)
+
+    @property
+    def rotated(self) -> bool:
+        return self.scheme.rotation.kind == "hadamard"
+
+    @property
+    def permuted(self) -> bool:
+        return self.scheme.packing == "split" and self.code_bits < 8
+
+    @property
+    def uses_matrix(self) -> bool:
+        """Kernels move between the input basis and position order with one d x d matrix."""
+        return self.rotated or self.permuted
+
+    def position_to_coordinate(self, head_dim: int) -> tuple[int, ...]:
+        if not self.permuted:
+            return tuple(range(head_dim))
+        k = 8 // self.code_bits
+        return tuple((p % k) * (head_dim // k) + p // k for p in range(head_dim))
+
+    def signs(self, head_dim: int) -> tuple[int, ...] | None:
+        r = self.scheme.rotation
+        return rotation.sign_vector(head_dim, r.seed) if r.kind == "hadamard" and r.signs else None
+
+    def centroids_std(self, head_dim: int) -> tuple[float, ...] | None:
+        """Lloyd-Max centroids in N(0,1) units; the unit vector's coordinates are these over sqrt(d)."""
+        cb = self.scheme.codebook
+        if cb.kind != "lloyd_max":
+            return None
+        if cb.centroids is not None:
+            return cb.centroids
+        from . import codebooks  # the solver runs at build time only
+
+        return codebooks.lloyd_max(cb.bits, cb.law, head_dim if cb.law == "sphere" else None).centroids
+
+    def centroids(self, head_dim: int) -> tuple[float, ...] | None:
+        std = self.centroids_std(head_dim)
+        return None if std is None else tuple(c / math.sqrt(head_dim) for c in std)
+
+
+@dataclass(frozen=True)
+class Layout:
+    scheme: Scheme
+    key: SideLayout
+    value: SideLayout
+
+    @property
+    def sides(self) -> tuple[SideLayout, SideLayout]:
+        return (self.key, self.value)
+
+    def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
+        """Cache bytes for one token and one KV head: K and V codes plus their metadata."""
+        return sum(s.code_bytes(head_dim) + metadata_bytes * len(s.metadata) for s in self.sides)
+
+    def compression_ratio(self, head_dim: int) -> float:
+        return 2 * head_dim * 2 / self.bytes_per_token(head_dim)
+
+
+def plan(scheme: Scheme) -> Layout:
+    return Layout(
+        scheme,
+        SideLayout("key", scheme.key, scheme.head_dims),
+        SideLayout("value", scheme.value, scheme.head_dims),
+    )

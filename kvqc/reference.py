@@ -1,0 +1,223 @@
+"""The oracle: quantize, dequantize and attend over a quantized cache, in float64 torch, read off the Scheme.
+
+It shares constants with the generated kernels (codebooks, sign vectors, the QJL matrix) and no code paths:
+rotations here are fast Walsh-Hadamard butterflies in coordinate order, packing is written per coordinate from
+its definition, and the paged cache is walked sequence by sequence. A template bug cannot hide in here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import rotation
+from .layout import SideLayout, plan
+from .spec import Scheme, scheme_from_dict
+
+
+@dataclass
+class Quantized:
+    codes: torch.Tensor  # uint8 [N, code bytes], packed as the cache stores them
+    meta: torch.Tensor  # [N, len(metadata)] in the metadata dtype
+    code: torch.Tensor  # int64 [N, d] unpacked codes, coordinate order
+    margin: torch.Tensor  # float64 [N, d]: distance of each coordinate's decision from flipping
+
+
+class SideReference:
+    def __init__(self, side: SideLayout, head_dim: int):
+        self.side, self.d, self.s = side, head_dim, side.scheme
+        signs = side.signs(head_dim)
+        self.signs = None if signs is None else torch.tensor(signs, dtype=torch.float64)
+        c = side.centroids(head_dim)
+        self.centroids = None if c is None else torch.tensor(c, dtype=torch.float64)
+        self.boundaries = None if c is None else (self.centroids[1:] + self.centroids[:-1]) / 2
+        r = self.s.residual
+        self.qjl = (
+            torch.tensor(rotation.gaussian_matrix(head_dim, head_dim, r.seed), dtype=torch.float64)
+            if r.kind == "qjl"
+            else None
+        )
+
+    # -- rotation (coordinate order; y = H D x / sqrt(d))
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.s.rotation.kind == "none":
+            return x
+        if self.signs is not None:
+            x = x * self.signs
+        return rotation.fwht(x) / math.sqrt(self.d)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        if self.s.rotation.kind == "none":
+            return y
+        x = rotation.fwht(y) / math.sqrt(self.d)
+        return x * self.signs if self.signs is not None else x
+
+    # -- packing
+    def pack(self, code: torch.Tensor) -> torch.Tensor:
+        n, d = code.shape
+        out = []
+        for plane in self.side.planes:
+            k, field = plane.per_byte, (code >> plane.shift) & (2**plane.width - 1)
+            byte = torch.zeros(n, d // k, dtype=torch.int64)
+            for i in range(k):
+                # interleaved: byte j, field i holds coordinate j*k + i; split: coordinate i*(d/k) + j
+                part = field[:, i::k] if self.s.packing == "interleaved" else field[:, i * (d // k) : (i + 1) * (d // k)]
+                byte |= part << (i * plane.width)
+            out.append(byte)
+        return torch.cat(out, dim=1).to(torch.uint8)
+
+    def unpack(self, codes: torch.Tensor) -> torch.Tensor:
+        n, d = codes.shape[0], self.d
+        codes = codes.to(torch.int64)
+        code = torch.zeros(n, d, dtype=torch.int64)
+        at = 0
+        for plane in self.side.planes:
+            k = plane.per_byte
+            byte = codes[:, at : at + d // k]
+            at += d // k
+            for i in range(k):
+                field = (byte >> (i * plane.width)) & (2**plane.width - 1)
+                if self.s.packing == "interleaved":
+                    code[:, i::k] |= field << plane.shift
+                else:
+                    code[:, i * (d // k) : (i + 1) * (d // k)] |= field << plane.shift
+        return code
+
+    # -- quantization
+    def quantize(self, x: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
+        y = self.rotate(x.to(torch.float64))
+        bits = self.s.codebook.bits
+        if self.s.scale.kind == "minmax":
+            lo, hi = y.min(dim=1).values, y.max(dim=1).values
+            scale = (hi - lo) / (2**bits - 1)
+            inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+            t = (y - lo[:, None]) * inverse[:, None] + 0.5
+            code = t.floor().clamp(0, 2**bits - 1).to(torch.int64)
+            margin = (t - t.round()).abs()  # distance from a rounding tie, in grid steps
+            margin = torch.where(scale[:, None] > 0, margin, torch.full_like(margin, math.inf))
+            meta = torch.stack([scale, lo], dim=1)
+            return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
+
+        norm = y.norm(dim=1)
+        unit = y / norm.clamp_min(1e-300)[:, None]
+        index = torch.searchsorted(self.boundaries, unit.contiguous(), right=False)  # number of boundaries < u
+        nearest = (unit[..., None] - self.boundaries).abs().min(dim=-1).values
+        margin = nearest * math.sqrt(self.d)  # in N(0,1) units, comparable across head_dims
+        fields = [norm]
+        code = index
+        if self.s.residual.kind != "none":
+            residual = unit - self.centroids[index]
+            if self.s.residual.kind == "sign":
+                decided = residual
+                fields.append(residual.pow(2).mean(dim=1).sqrt())
+            else:
+                decided = residual @ self.qjl.T  # S r
+                fields.append(residual.norm(dim=1))
+            code = code | ((decided >= 0).to(torch.int64) << bits)
+            margin = torch.minimum(margin, decided.abs() * math.sqrt(self.d))
+        meta = torch.stack(fields, dim=1)
+        return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
+
+    def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        code = self.unpack(codes)
+        meta = meta.to(torch.float64)
+        bits = self.s.codebook.bits
+        if self.s.scale.kind == "minmax":
+            y = code.to(torch.float64) * meta[:, 0:1] + meta[:, 1:2]
+        else:
+            unit = self.centroids[code & (2**bits - 1)]
+            if self.s.residual.kind != "none":
+                sign = ((code >> bits) & 1).to(torch.float64) * 2 - 1
+                if self.s.residual.kind == "sign":
+                    unit = unit + sign * meta[:, 1:2]
+                else:
+                    # QJL: x_qjl = sqrt(pi/2) / d * |r| * S^T sign(S r), unbiased for <y, r>.
+                    unit = unit + math.sqrt(math.pi / 2) / self.d * meta[:, 1:2] * (sign @ self.qjl)
+            y = meta[:, 0:1] * unit
+        return self.unrotate(y)
+
+
+class Reference:
+    """The float64 twin of a generated module: the same fill / flatten / decode surface on the same cache."""
+
+    def __init__(self, scheme: Scheme):
+        self.scheme = scheme
+        self.layout = plan(scheme)
+        self._sides: dict[tuple[str, int], SideReference] = {}
+
+    def side(self, name: str, head_dim: int) -> SideReference:
+        if (name, head_dim) not in self._sides:
+            self._sides[(name, head_dim)] = SideReference(getattr(self.layout, name), head_dim)
+        return self._sides[(name, head_dim)]
+
+    def quantize(self, name: str, x: torch.Tensor, meta_dtype: torch.dtype = torch.float32) -> Quantized:
+        """x [N, head_dim] -> packed codes and metadata for K (name='key') or V (name='value')."""
+        return self.side(name, x.shape[-1]).quantize(x.cpu(), meta_dtype)
+
+    def dequantize(self, name: str, codes: torch.Tensor, meta: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return self.side(name, head_dim).dequantize(codes.cpu(), meta.cpu())
+
+    # -- the paged surface, on any object with key_codes/key_meta/value_codes/value_meta/head_dim
+
+    def _slots(self, cache: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's codes and metadata viewed as [num_slots, num_kv_heads, ...]."""
+        codes, meta = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_meta")
+        h = codes.shape[2]
+        return codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
+
+    def fill(self, cache: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        keep = (slot_mapping >= 0).cpu()
+        slots = slot_mapping.cpu()[keep].to(torch.int64)
+        for name, x in (("key", key), ("value", value)):
+            codes, meta = self._slots(cache, name)
+            x = x.cpu()[keep]
+            q = self.quantize(name, x.reshape(-1, x.shape[-1]), meta.dtype)
+            codes[slots.to(codes.device)] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
+            meta[slots.to(meta.device)] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
+
+    def gather(self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """One sequence's dequantized K or V, float64 [seq_len, num_kv_heads, head_dim]."""
+        block_size = cache.key_codes.shape[1]
+        codes, meta = self._slots(cache, name)
+        if seq_len == 0:
+            return torch.zeros(0, codes.shape[1], cache.head_dim, dtype=torch.float64)
+        position = torch.arange(seq_len)
+        slots = block_table.cpu().to(torch.int64)[position // block_size] * block_size + position % block_size
+        c, m = codes.cpu()[slots], meta.cpu()[slots]
+        h = c.shape[1]
+        x = self.dequantize(name, c.reshape(seq_len * h, -1), m.reshape(seq_len * h, -1), cache.head_dim)
+        return x.view(seq_len, h, cache.head_dim)
+
+    def flatten(self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+        keys, values = [], []
+        for table, n in zip(block_tables.cpu(), seq_lens.tolist()):
+            keys.append(self.gather(cache, "key", table, n))
+            values.append(self.gather(cache, "value", table, n))
+        empty = torch.zeros(0, cache.key_codes.shape[2], cache.head_dim, dtype=torch.float64)
+        return (torch.cat(keys) if keys else empty), (torch.cat(values) if values else empty)
+
+    def decode(self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale=None):
+        """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros."""
+        batch, num_q_heads, d = query.shape
+        group = num_q_heads // cache.key_codes.shape[2]
+        scale = 1 / math.sqrt(d) if scale is None else scale
+        out = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
+        for b, (table, n) in enumerate(zip(block_tables.cpu(), seq_lens.tolist())):
+            if n == 0:
+                continue
+            k = self.gather(cache, "key", table, n).repeat_interleave(group, dim=1)  # [n, Hq, d]
+            v = self.gather(cache, "value", table, n).repeat_interleave(group, dim=1)
+            q = query[b].cpu().to(torch.float64)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+            out[b] = torch.einsum("hn,nhd->hd", p, v)
+        return out
+
+
+def bind(scheme: Scheme | dict) -> Reference:
+    """The reference for a scheme, given as a Scheme or as the plain data a generated module embeds."""
+    if isinstance(scheme, dict):
+        scheme = scheme_from_dict(scheme, source="<generated module>")
+    return Reference(scheme)

@@ -1,0 +1,382 @@
+"""The scheme language: a YAML file becomes a frozen, validated `Scheme`.
+
+Every check names the file, the field path and what was expected, in one line:
+
+    schemes/x.yaml: key.codebook.bits: expected an integer 1..8, got 9
+
+The YAML is read with a safe loader, refusing aliases, duplicate keys, deep nesting and large files, because
+schemes come from users and the compiler turns them into source that engines import.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FORMAT_VERSION = 1
+MAX_FILE_BYTES = 64 * 1024
+MAX_DEPTH = 8
+DEFAULT_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,62}\Z")
+
+
+class SchemeError(ValueError):
+    """A scheme that cannot be compiled; str() is the one line a user sees."""
+
+    def __init__(self, source: str, field: str, message: str):
+        self.source, self.field, self.message = source, field, message
+        super().__init__(f"{source}: {field}: {message}" if field else f"{source}: {message}")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    kind: str = "none"  # none | hadamard
+    signs: bool = False  # random +-1 flips before the Hadamard (the paper's randomized Hadamard)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Scale:
+    kind: str  # norm: per-token L2 norm, codes index the unit vector | minmax: per-token affine (scale, zero)
+    axis: str = "token"
+
+
+@dataclass(frozen=True)
+class Codebook:
+    kind: str  # lloyd_max | uniform
+    bits: int
+    law: str = "gaussian"  # lloyd_max only: gaussian (N(0,1) limit) | sphere (exact unit-vector marginal)
+    centroids: tuple[float, ...] | None = None  # lloyd_max only: explicit table in N(0,1) units
+
+
+@dataclass(frozen=True)
+class Residual:
+    kind: str = "none"  # none | sign (sign of the residual, scaled by its RMS) | qjl (sign of S r, with |r|)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TensorScheme:
+    """How one of K or V is quantized."""
+
+    rotation: Rotation
+    scale: Scale
+    codebook: Codebook
+    residual: Residual
+    packing: str = "interleaved"  # interleaved: byte j holds coords j*k..j*k+k-1 | split: coords j + i*d/k
+
+    @property
+    def code_bits(self) -> int:
+        return self.codebook.bits + (self.residual.kind != "none")
+
+    @property
+    def metadata(self) -> tuple[str, ...]:
+        """Per-token, per-head values stored beside the codes, in the model dtype."""
+        if self.scale.kind == "minmax":
+            return ("scale", "zero")
+        extra = {"none": (), "sign": ("residual_rms",), "qjl": ("residual_norm",)}[self.residual.kind]
+        return ("norm",) + extra
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    version: int
+    description: str
+    head_dims: tuple[int, ...]
+    key: TensorScheme
+    value: TensorScheme
+    source: str = "<memory>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical plain data that `scheme_from_dict` reads back: what modules embed and the hash covers."""
+
+        def tensor(t: TensorScheme) -> dict[str, Any]:
+            rotation: dict[str, Any] = {"kind": t.rotation.kind}
+            if t.rotation.kind == "hadamard":
+                rotation.update(signs=t.rotation.signs, seed=t.rotation.seed)
+            codebook: dict[str, Any] = {"kind": t.codebook.kind, "bits": t.codebook.bits}
+            if t.codebook.kind == "lloyd_max":
+                codebook["law"] = t.codebook.law
+                if t.codebook.centroids is not None:
+                    codebook["centroids"] = list(t.codebook.centroids)
+            residual: dict[str, Any] = {"kind": t.residual.kind}
+            if t.residual.kind == "qjl":
+                residual["seed"] = t.residual.seed
+            return {
+                "rotation": rotation,
+                "scale": {"kind": t.scale.kind, "axis": t.scale.axis},
+                "codebook": codebook,
+                "residual": residual,
+                "packing": t.packing,
+            }
+
+        return {
+            "version": self.version,
+            "name": self.name,
+            "description": self.description,
+            "head_dims": list(self.head_dims),
+            "key": tensor(self.key),
+            "value": tensor(self.value),
+        }
+
+    @property
+    def content_hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def bits_per_coordinate(self, head_dim: int, metadata_bytes: int = 2) -> tuple[float, float]:
+        """Stored bits per coordinate for K and V, metadata included."""
+        return tuple(  # type: ignore[return-value]
+            t.code_bits + 8 * metadata_bytes * len(t.metadata) / head_dim for t in (self.key, self.value)
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading YAML safely
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one silently."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    out: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"mapping keys must be strings, got {key!r}", key_node.start_mark
+            )
+        if key in out:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        out[key] = loader.construct_object(value_node, deep=deep)
+    return out
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
+        raise SchemeError(source, "", f"file is larger than {MAX_FILE_BYTES} bytes; a scheme is a short file")
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise SchemeError(source, "", "YAML anchors and aliases are not allowed; write values out")
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise SchemeError(source, "", f"nesting deeper than {MAX_DEPTH} levels")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SchemeError(source, "", f"invalid YAML: {where}{problem}") from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Field validation
+
+
+class _Fields:
+    """Reads one mapping, remembering its path so every error names the field."""
+
+    def __init__(self, source: str, path: str, data: Any, allowed: tuple[str, ...]):
+        self.source, self.path = source, path
+        if not isinstance(data, dict):
+            self.fail("", f"expected a mapping with fields {', '.join(allowed)}, got {_show(data)}")
+        for key in data:
+            if key not in allowed:
+                hint = difflib.get_close_matches(key, allowed, n=1)
+                fix = f"did you mean '{hint[0]}'?" if hint else f"expected one of {', '.join(allowed)}"
+                self.fail(key, f"unknown field; {fix}")
+        self.data = data
+
+    def field(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path and name else (self.path or name)
+
+    def fail(self, name: str, message: str):
+        raise SchemeError(self.source, self.field(name), message)
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def require(self, name: str) -> Any:
+        if name not in self.data:
+            self.fail(name, "missing required field")
+        return self.data[name]
+
+    def integer(self, name: str, lo: int, hi: int, default: int | None = None) -> int:
+        value = self.data.get(name, default) if default is not None else self.require(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            self.fail(name, f"expected an integer {lo}..{hi}, got {_show(value)}")
+        return value
+
+    def choice(self, name: str, options: tuple[str, ...], default: str | None = None) -> str:
+        value = self.data.get(name, default) if default is not None else self.require(name)
+        if not isinstance(value, str) or value not in options:
+            hint = difflib.get_close_matches(value, options, n=1) if isinstance(value, str) else []
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            self.fail(name, f"expected one of {', '.join(options)}, got {_show(value)}{extra}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.data.get(name, default)
+        if not isinstance(value, bool):
+            self.fail(name, f"expected true or false, got {_show(value)}")
+        return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _kind(source: str, path: str, data: Any, kinds: tuple[str, ...], fields: tuple[str, ...]) -> _Fields:
+    """A stage is `kind` or `{kind: ..., more fields}`: the string form is shorthand for the mapping."""
+    if isinstance(data, str):
+        data = {"kind": data}
+    f = _Fields(source, path, data, ("kind",) + fields)
+    f.choice("kind", kinds)
+    return f
+
+
+def _rotation(source: str, path: str, data: Any) -> Rotation:
+    f = _kind(source, path, data, ("none", "hadamard"), ("signs", "seed"))
+    if f.data["kind"] == "none":
+        for extra in ("signs", "seed"):
+            if f.has(extra):
+                f.fail(extra, "only meaningful with kind: hadamard; remove it")
+        return Rotation()
+    return Rotation("hadamard", f.boolean("signs", False), f.integer("seed", 0, 2**32 - 1, default=0))
+
+
+def _scale(source: str, path: str, data: Any) -> Scale:
+    f = _kind(source, path, data, ("norm", "minmax"), ("axis",))
+    axis = f.choice("axis", ("token", "channel"), default="token")
+    if axis != "token":
+        f.fail("axis", "per-channel scales are not supported by this kvqc version; use axis: token")
+    return Scale(f.data["kind"], axis)
+
+
+def _codebook(source: str, path: str, data: Any) -> Codebook:
+    f = _Fields(source, path, data, ("kind", "bits", "law", "centroids"))
+    kind = f.choice("kind", ("lloyd_max", "uniform"))
+    bits = f.integer("bits", 1, 8)
+    if kind == "uniform":
+        for extra in ("law", "centroids"):
+            if f.has(extra):
+                f.fail(extra, "only meaningful with kind: lloyd_max; remove it")
+        return Codebook(kind, bits)
+    law = f.choice("law", ("gaussian", "sphere"), default="gaussian")
+    centroids = None
+    if f.has("centroids"):
+        raw = f.data["centroids"]
+        n = 2**bits
+        ok = isinstance(raw, list) and len(raw) == n
+        ok = ok and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in raw)
+        ok = ok and all(abs(c) <= 16 for c in raw) and all(a < b for a, b in zip(raw, raw[1:]))
+        if not ok:
+            f.fail("centroids", f"expected {n} strictly increasing finite numbers in N(0,1) units (|c| <= 16)")
+        centroids = tuple(float(c) for c in raw)
+    return Codebook(kind, bits, law, centroids)
+
+
+def _residual(source: str, path: str, data: Any) -> Residual:
+    f = _kind(source, path, data, ("none", "sign", "qjl"), ("seed",))
+    if f.data["kind"] != "qjl":
+        if f.has("seed"):
+            f.fail("seed", "only meaningful with kind: qjl; remove it")
+        return Residual(f.data["kind"])
+    return Residual("qjl", f.integer("seed", 0, 2**32 - 1, default=0))
+
+
+def _tensor(source: str, path: str, data: Any) -> TensorScheme:
+    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing"))
+    t = TensorScheme(
+        rotation=_rotation(source, f.field("rotation"), f.data.get("rotation", "none")),
+        scale=_scale(source, f.field("scale"), f.require("scale")),
+        codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
+        residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
+        packing=f.choice("packing", ("interleaved", "split"), default="interleaved"),
+    )
+    # Combinations the templates cannot honour are refused here, never compiled into something wrong.
+    if t.codebook.kind == "lloyd_max" and t.scale.kind != "norm":
+        f.fail("scale", "codebook kind lloyd_max indexes a unit vector and needs scale: norm")
+    if t.codebook.kind == "uniform" and t.scale.kind != "minmax":
+        f.fail("scale", "codebook kind uniform is an affine grid and needs scale: minmax")
+    if t.residual.kind != "none" and t.codebook.kind != "lloyd_max":
+        f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")
+    if t.code_bits > 8:
+        f.fail("codebook.bits", f"{t.codebook.bits} bits plus a 1-bit residual exceed 8 bits per coordinate")
+    if t.packing == "split" and t.code_bits not in (1, 2, 4, 8):
+        f.fail("packing", f"split packing needs 1, 2, 4 or 8 code bits, got {t.code_bits}; use interleaved")
+    return t
+
+
+def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | None = None) -> Scheme:
+    f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value"))
+    version = f.require("version")
+    if isinstance(version, bool) or version != FORMAT_VERSION:
+        f.fail("version", f"expected {FORMAT_VERSION} (the only scheme format this kvqc reads), got {_show(version)}")
+    name = f.data.get("name", default_name)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        f.fail("name", f"expected a lowercase identifier like turbo_k4v2 ([a-z][a-z0-9_]*), got {_show(name)}")
+    description = f.data.get("description", "")
+    if not isinstance(description, str) or len(description) > 2000:
+        f.fail("description", "expected a string of at most 2000 characters")
+    head_dims = f.data.get("head_dims", list(DEFAULT_HEAD_DIMS))
+    if (
+        not isinstance(head_dims, list)
+        or not head_dims
+        or any(isinstance(d, bool) or d not in SUPPORTED_HEAD_DIMS for d in head_dims)
+        or len(set(head_dims)) != len(head_dims)
+    ):
+        f.fail("head_dims", f"expected a list of distinct values from {list(SUPPORTED_HEAD_DIMS)}, got {_show(head_dims)}")
+    scheme = Scheme(
+        name=name,
+        version=version,
+        description=description,
+        head_dims=tuple(sorted(head_dims)),
+        key=_tensor(source, "key", f.require("key")),
+        value=_tensor(source, "value", f.require("value")),
+        source=source,
+    )
+    for side in ("key", "value"):
+        t: TensorScheme = getattr(scheme, side)
+        per_byte = 8 // min(b for b in (1, 2, 4, 8) if t.code_bits & b)  # the narrowest plane's codes per byte
+        if any(d % per_byte for d in scheme.head_dims):
+            f.fail("head_dims", f"every head_dim must be a multiple of {per_byte} for {side}'s packing")
+    return scheme
+
+
+def load_scheme(path: str | Path) -> Scheme:
+    """Read and validate a scheme file; raises SchemeError with a one-line message."""
+    path = Path(path)
+    source = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SchemeError(source, "", f"cannot read file ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SchemeError(source, "", "not UTF-8 text") from None
+    data = _read_yaml(text, source)
+    stem = path.stem if NAME_RE.match(path.stem) else None
+    return scheme_from_dict(data, source, default_name=stem)

@@ -1,0 +1,44 @@
+"""Shared test setup: which device the generated kernels run on, and hypothesis profiles.
+
+On a machine with a GPU the kernels are compiled and run there; elsewhere they run on CPU tensors under Triton's
+interpreter, which must be switched on before triton decorates any kernel.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# ci: what CI affords under the interpreter; deep: a longer run (KVQC_PROFILE=deep), e.g. on a GPU.
+settings.register_profile(
+    "ci", max_examples=6, deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "deep", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.load_profile(os.environ.get("KVQC_PROFILE", "ci"))
+DEEP = os.environ.get("KVQC_PROFILE", "ci") == "deep"
+
+SCHEMES = sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
+_modules = {}
+
+
+def generated(name: str):
+    """Import generated/<name>.py by path, once."""
+    if name not in _modules:
+        path = ROOT / "generated" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"kvqc_generated_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _modules[name] = module
+    return _modules[name]

@@ -1,0 +1,177 @@
+"""Generated kernels against the float64 reference, on shapes and data drawn by hypothesis.
+
+Each example builds a paged cache with scattered blocks, poisons it, fills several sequences whose lengths are
+not multiples of the block size (in shuffled token order, with skipped -1 slots mixed in), then checks:
+fill's codes and metadata against the reference's, every other byte of the cache untouched, flatten against
+reference dequantization, and decode against reference attention on peaked (not near-uniform) scores.
+"""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import DEEP, DEVICE, SCHEMES, generated
+from hypothesis import given
+from hypothesis import strategies as st
+
+# Metadata is rounded to the model dtype: one unit in the last place of fp16 / bf16 may differ where the kernel's
+# float32 norm and the reference's float64 norm fall on either side of a rounding tie.
+META_RTOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
+# Relative L2 error of whole outputs: float32 arithmetic, then rounding to the output dtype.
+OUT_RTOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+# A coordinate whose decision (cell, residual sign, rounding) sits this close to flipping, in N(0,1) units or
+# grid steps, may legitimately get another code from float32 arithmetic than from float64.
+MARGIN = 1e-3
+
+
+@dataclass
+class Case:
+    module: object
+    cache: object
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    dtype: torch.dtype
+
+
+def poison(cache, generator):
+    for t in (cache.key_codes, cache.value_codes):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
+    for t in (cache.key_meta, cache.value_meta):
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+
+
+def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, skipped=3) -> Case:
+    m = generated(name)
+    g = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=g)  # scattered, not contiguous, blocks
+    width = max(max(blocks, default=0), 1) + 1  # a spare column of padding the kernels must not read
+    block_tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    at = 0
+    slots = []
+    for b, (n, k) in enumerate(zip(seq_lens, blocks)):
+        block_tables[b, :k] = order[at : at + k]
+        at += k
+        p = torch.arange(n)
+        slots.append(block_tables[b, p // block_size].to(torch.int64) * block_size + p % block_size)
+    slot_mapping = torch.cat(slots + [torch.full((skipped,), -1, dtype=torch.int64)])
+    slot_mapping = slot_mapping[torch.randperm(len(slot_mapping), generator=g)]
+    t = len(slot_mapping)
+    # Realistic K: a few outlier channels; V: plain Gaussian.
+    channel_scale = 1 + 4 * (torch.rand(head_dim, generator=g) < 0.05)
+    key = (torch.randn(t, num_kv_heads, head_dim, generator=g) * channel_scale).to(dtype)
+    value = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
+    cache = m.allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    poison(cache, g)
+    return Case(
+        m, cache, key.to(DEVICE), value.to(DEVICE), slot_mapping.to(DEVICE), block_tables.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), dtype,
+    )
+
+
+def snapshot(cache):
+    return {f: getattr(cache, f).clone() for f in ("key_codes", "key_meta", "value_codes", "value_meta")}
+
+
+def check_fill(case: Case, before: dict):
+    ref = case.module.reference
+    written = case.slot_mapping[case.slot_mapping >= 0].cpu()
+    keep = (case.slot_mapping >= 0).cpu()
+    for side, x in (("key", case.key), ("value", case.value)):
+        codes = getattr(case.cache, f"{side}_codes").cpu()
+        meta = getattr(case.cache, f"{side}_meta").cpu()
+        h = codes.shape[2]
+        flat_codes, flat_meta = codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
+        # Nothing lost: every slot the fill was not given keeps its poisoned bytes.
+        untouched = torch.ones(flat_codes.shape[0], dtype=torch.bool)
+        untouched[written] = False
+        old_codes = before[f"{side}_codes"].cpu().view_as(flat_codes)
+        old_meta = before[f"{side}_meta"].cpu().view_as(flat_meta)
+        assert torch.equal(flat_codes[untouched], old_codes[untouched]), f"{side}: fill wrote a slot it was not given"
+        assert torch.equal(flat_meta[untouched], old_meta[untouched]), f"{side}: fill wrote metadata it was not given"
+
+        want = ref.quantize(side, x.cpu()[keep].reshape(-1, x.shape[-1]), meta.dtype)
+        got_codes = flat_codes[written].reshape(-1, codes.shape[-1])
+        got = ref.side(side, x.shape[-1]).unpack(got_codes)
+        differ = got != want.code
+        allowed = want.margin < MARGIN
+        assert not (differ & ~allowed).any(), (
+            f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference away from any decision boundary"
+        )
+        clean = ~differ.any(dim=1)  # rows whose codes agree: their metadata must agree too
+        got_meta = flat_meta[written].reshape(-1, meta.shape[-1]).to(torch.float64)
+        want_meta = want.meta.to(torch.float64)
+        torch.testing.assert_close(
+            got_meta[clean], want_meta[clean], rtol=META_RTOL[meta.dtype], atol=1e-6, msg=f"{side} metadata"
+        )
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.cpu().to(torch.float64), want.to(torch.float64)
+    assert torch.isfinite(got).all(), "non-finite output"
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def check_flatten(case: Case):
+    key, value = case.module.flatten(case.cache, case.block_tables, case.seq_lens)
+    want_key, want_value = case.module.reference.flatten(case.cache, case.block_tables, case.seq_lens)
+    assert key.shape == want_key.shape and value.shape == want_value.shape
+    assert key.dtype == case.dtype
+    if key.numel():
+        assert rel_err(key, want_key) < OUT_RTOL[case.dtype]
+        assert rel_err(value, want_value) < OUT_RTOL[case.dtype]
+    return want_key, want_value
+
+
+def peaked_query(case: Case, num_q_heads: int, seed: int) -> torch.Tensor:
+    # Logits with a standard deviation of about 4: a few tokens dominate, so a wrong logit scale shows.
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(case.seq_lens), num_q_heads, case.key.shape[-1], generator=g) * 4
+    k_rms = float(case.key.float().pow(2).mean().sqrt())
+    return (q / k_rms).to(case.dtype).to(DEVICE)
+
+
+def check_decode(case: Case, group: int, seed: int):
+    query = peaked_query(case, group * case.cache.num_kv_heads, seed)
+    out = case.module.decode(query, case.cache, case.block_tables, case.seq_lens)
+    want = case.module.reference.decode(query, case.cache, case.block_tables, case.seq_lens)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert rel_err(out, want) < OUT_RTOL[case.dtype]
+    # The check has teeth: LMDeploy's 1/sqrt(2d) centroid defect shrinks logits by 1/sqrt(2) and must fail it.
+    shrunk = case.module.reference.decode(
+        query, case.cache, case.block_tables, case.seq_lens, scale=0.5**0.5 / math.sqrt(query.shape[-1])
+    )
+    if int(case.seq_lens.max()) > 4:
+        assert rel_err(shrunk, want) > 4 * OUT_RTOL[case.dtype]
+
+
+head_dims = [64, 128, 256] if DEEP else [64, 128]
+cases = st.fixed_dictionaries(
+    {
+        "head_dim": st.sampled_from(head_dims),
+        "block_size": st.sampled_from([16, 64] + ([1, 8, 32, 128, 256] if DEEP else [])),
+        "num_kv_heads": st.sampled_from([1, 2]),
+        "group": st.sampled_from([1, 3, 4, 8]),
+        "seq_lens": st.lists(st.integers(0, 300 if DEEP else 90), min_size=1, max_size=4 if DEEP else 3),
+        "dtype": st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+        "seed": st.integers(0, 2**31 - 1),
+    }
+)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@given(c=cases)
+def test_kernels_match_reference(name, c):
+    if c["head_dim"] not in generated(name).HEAD_DIMS:
+        return
+    case = make_case(name, c["head_dim"], c["block_size"], c["num_kv_heads"], c["seq_lens"], c["dtype"], c["seed"])
+    before = snapshot(case.cache)
+    case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
+    check_fill(case, before)
+    check_flatten(case)
+    check_decode(case, c["group"], c["seed"] + 1)

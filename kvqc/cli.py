@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("schemes", nargs="*", help="scheme files (default: schemes/*.yaml)")
     p.add_argument("--head-dim", type=int, default=128)
     p.set_defaults(run=_list)
+    p = sub.add_parser("bench", help="time decode / fill / flatten against fp16 SDPA on a GPU")
+    from . import bench
+
+    bench.add_arguments(p)
+    p.set_defaults(run=bench.run)
     p = sub.add_parser("explain", help="a scheme's cache layout and kernels")
     p.add_argument("scheme")
     p.add_argument("--head-dim", type=int, default=128)

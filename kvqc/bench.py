@@ -1,0 +1,488 @@
+"""`kvqc bench`: time the generated kernels against fp16 SDPA and against the GPU's own copy bandwidth.
+
+Every number comes from the GPU in the same run: the memory-bandwidth floor is a device-to-device copy measured
+here, never a datasheet figure, and every shape is checked for correctness before it is timed, so a fast but
+wrong kernel shows up in the table. Exit status: 0 done (shapes that failed are recorded, not fatal), 2 no GPU
+or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_GPU = "kvqc bench: needs a CUDA GPU (speed is measured on the GPU, never under the interpreter)"
+
+DEFAULT_BATCHES = (1, 8, 32)
+DEFAULT_CONTEXTS = (1024, 8192, 32768)
+LONG_CONTEXT = 131072  # only at batch 1: at larger batches its fp16 peer alone would not fit
+DEFAULT_HEAD_DIMS = (128, 64)
+QUICK = {"batch": [8], "context": [32768], "head_dim": [128]}
+
+MiB = 1 << 20
+COPY_BYTES = 1 << 30
+L2_FALLBACK = 64 * MiB
+L2_MULTIPLE = 4  # copies together exceed this many L2s, so no call finds its inputs still cached
+MEMORY_FRACTION = 0.4  # rotation copies stay under this share of free memory; the rest is for outputs and scratch
+FILL_TOKENS_PER_SEQ = 8192  # a prefill chunk, not a whole context: fill is timed on what engines write at once
+FILL_CHUNK_BYTES = 256 * MiB  # fp16 input per fill call while populating a cache, to bound the staging memory
+ERR_WARN = 1e-2  # decode vs SDPA on the same dequantized cache: only fp rounding should separate them
+CACHE_FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
+DEVICE = "cuda"  # one place, so the pipeline can be smoke-tested on CPU under the interpreter
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register bench's options, so `kvqc bench` and this module's main share them."""
+    parser.add_argument("schemes", nargs="*", metavar="SCHEME",
+                        help="scheme names or files (default: every generated module for schemes/*.yaml)")
+    parser.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 8 32)")
+    parser.add_argument("--context", type=int, nargs="+",
+                        help="context lengths (default: 1024 8192 32768, plus 131072 at batch 1)")
+    parser.add_argument("--head-dim", type=int, nargs="+", help="head dims (default: 128 64)")
+    parser.add_argument("--q-heads", type=int, default=32, help="query heads (default: 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default: 8)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block (default: 64)")
+    parser.add_argument("--json", default="bench-results.json", metavar="FILE",
+                        help="where to write the results (default: bench-results.json)")
+    parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvqc bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def shapes(batches: list[int] | None, contexts: list[int] | None, head_dims: list[int] | None,
+           quick: bool = False) -> list[tuple[int, int, int]]:
+    """(batch, context, head_dim) in run order; the long context joins only the all-default grid."""
+    if quick:
+        batches, contexts, head_dims = QUICK["batch"], QUICK["context"], QUICK["head_dim"]
+    grid = [(b, n) for b in (batches or DEFAULT_BATCHES) for n in (contexts or DEFAULT_CONTEXTS)]
+    if not quick and batches is None and contexts is None:
+        grid.append((1, LONG_CONTEXT))
+    return [(b, n, d) for d in (head_dims or DEFAULT_HEAD_DIMS) for b, n in grid]
+
+
+# ---------------------------------------------------------------- schemes and modules
+
+
+def _scheme_name(yaml_path: Path) -> str:
+    # `kvqc build` names the module after the scheme's `name`, which may differ from the file's stem.
+    try:
+        import yaml
+
+        name = yaml.safe_load(yaml_path.read_text(encoding="utf-8")).get("name")
+        return name if isinstance(name, str) and name else yaml_path.stem
+    except Exception:
+        return yaml_path.stem
+
+
+def _existing(arg: str) -> Path | None:
+    for path in (Path(arg), ROOT / arg):
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_modules(args: list[str]) -> list[tuple[str, Path]]:
+    """(name, generated module path) per SCHEME argument; raises ValueError naming the first that has none."""
+    if not args:
+        names = [_scheme_name(p) for p in sorted((ROOT / "schemes").glob("*.yaml"))]
+        found = [(n, ROOT / "generated" / f"{n}.py") for n in names]
+        found = [(n, p) for n, p in found if p.is_file()]
+        if not found:
+            raise ValueError(f"no generated modules for {ROOT / 'schemes'}/*.yaml; run `kvqc build` first")
+        return found
+    modules = []
+    for arg in args:
+        path = _existing(arg)
+        if path is not None and path.suffix == ".py":
+            modules.append((path.stem, path))
+            continue
+        name = _scheme_name(path) if path is not None else Path(arg).stem if arg.endswith((".yaml", ".yml")) else arg
+        target = ROOT / "generated" / f"{name}.py"
+        if not target.is_file():
+            raise ValueError(f"{arg}: no generated module {target}; run `kvqc build`")
+        modules.append((name, target))
+    return modules
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"kvqc_generated_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and triton's source lookup resolve names through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- pure arithmetic
+
+
+def gbps(num_bytes: float, ms: float) -> float:
+    return num_bytes / (ms * 1e6)
+
+
+def floor_ms(num_bytes: float, bandwidth_gbps: float) -> float:
+    """Time to move num_bytes at the measured copy bandwidth (which counts a copy's read and write)."""
+    return num_bytes / (bandwidth_gbps * 1e6)
+
+
+def rotation_count(copy_bytes: int, l2_bytes: int, free_bytes: int, fraction: float = MEMORY_FRACTION) -> int:
+    """Copies of one input set that together exceed L2_MULTIPLE L2s, within fraction of free memory; 0: none fit."""
+    fit = int(fraction * free_bytes) // max(1, copy_bytes)
+    if fit < 1:
+        return 0
+    return min(L2_MULTIPLE * l2_bytes // max(1, copy_bytes) + 1, fit)
+
+
+def decode_bytes(batch: int, context: int, kv_heads: int, bytes_per_token: int) -> int:
+    return batch * context * kv_heads * bytes_per_token
+
+
+def fp16_kv_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
+    return tokens * kv_heads * head_dim * 2 * 2
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- GPU helpers
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _rotating(fn: Callable, arg_sets: list[tuple]) -> Callable[[], None]:
+    # Each call takes the next copy set, so consecutive calls never reuse inputs that are still in L2.
+    counter = [0]
+
+    def call() -> None:
+        fn(*arg_sets[counter[0] % len(arg_sets)])
+        counter[0] += 1
+
+    return call
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _l2_bytes() -> int:
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a large device-to-device copy, bytes read plus written."""
+    size = min(COPY_BYTES, int(0.2 * _free_bytes())) // MiB * MiB
+    src = torch.ones(size, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps(2 * size, ms)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The peer: q [B, Hq, 1, D], k and v [B, Hkv, N, D], fp16, GQA without expanding K and V."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _has_enable_gqa() -> bool:
+    q = torch.zeros(1, 2, 1, 8)
+    try:
+        sdpa(q, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))
+        return True
+    except TypeError:
+        return False
+
+
+def _cache_bytes(cache) -> int:
+    return sum(getattr(cache, f).numel() * getattr(cache, f).element_size() for f in CACHE_FIELDS)
+
+
+def _block_tables(batch: int, blocks_per_seq: int) -> torch.Tensor:
+    # A random permutation: sequences' blocks are scattered over the pool, as in a long-running engine.
+    return torch.randperm(batch * blocks_per_seq, device=DEVICE).view(batch, blocks_per_seq).to(torch.int32)
+
+
+def slot_mapping(block_tables: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """int64 slots of positions 0..seq_len-1 of every sequence, sequence after sequence."""
+    pos = torch.arange(seq_len, device=block_tables.device)
+    blocks = block_tables.long()[:, pos // block_size]
+    return (blocks * block_size + pos % block_size).reshape(-1)
+
+
+def _populate(module: ModuleType, cache, block_tables: torch.Tensor, seq_len: int) -> None:
+    """Random fp16 K/V through fill into every sequence's slots, in chunks to bound the staging memory."""
+    slots = slot_mapping(block_tables, seq_len, cache.block_size)
+    h, d = cache.num_kv_heads, cache.head_dim
+    chunk = max(1, FILL_CHUNK_BYTES // fp16_kv_bytes(1, h, d))
+    for start in range(0, slots.numel(), chunk):
+        part = slots[start:start + chunk]
+        key = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
+        value = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
+        module.fill(cache, key, value, part)
+
+
+def _clone_cache(module: ModuleType, cache):
+    copy = module.allocate_cache(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
+                                 device=DEVICE, dtype=torch.float16)
+    for field in CACHE_FIELDS:
+        getattr(copy, field).copy_(getattr(cache, field))
+    return copy
+
+
+def _as_bhnd(x: torch.Tensor, batch: int, context: int) -> torch.Tensor:
+    # flatten's [B*N, H, D] viewed as SDPA's [B, H, N, D]; a strided view, no copy.
+    return x.view(batch, context, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+# ---------------------------------------------------------------- one shape
+
+
+def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
+    """Fill row with one shape's numbers; raises OutOfMemoryError or whatever a kernel raises."""
+    b, n, d = row["batch"], row["context"], row["head_dim"]
+    hq, hkv, bs = cfg["q_heads"], cfg["kv_heads"], cfg["block_size"]
+    bw, l2 = cfg["copy_gbps"], cfg["l2_bytes"]
+    bpt = module.bytes_per_token(d, torch.float16)
+    row["bytes_per_token"] = bpt
+    free = _free_bytes()
+
+    # The cache under test, filled with real codes.
+    block_tables = _block_tables(b, math.ceil(n / bs))
+    seq_lens = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
+    cache = module.allocate_cache(b * math.ceil(n / bs), bs, hkv, d, device=DEVICE, dtype=torch.float16)
+    copies = rotation_count(_cache_bytes(cache), l2, free)
+    if copies == 0:
+        row.update(status="skipped", note="one cache does not fit in the memory budget")
+        return
+    _populate(module, cache, block_tables, n)
+    query = torch.randn(b, hq, d, dtype=torch.float16, device=DEVICE)
+
+    # Correctness first: decode against SDPA over the same dequantized cache isolates kernel error from
+    # quantization error.
+    key, value = module.flatten(cache, block_tables, seq_lens)
+    want = sdpa(query.unsqueeze(2), _as_bhnd(key, b, n), _as_bhnd(value, b, n)).squeeze(2)
+    del key, value
+    got = module.decode(query, cache, block_tables, seq_lens)
+    row["rel_err"] = rel_l2(got, want)
+    del got, want
+
+    # Scratch: what one decode call allocates beyond what is already held (the warm call above built its tables).
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = module.decode(query, cache, block_tables, seq_lens)
+    torch.cuda.synchronize()
+    row["scratch_mib"] = (torch.cuda.max_memory_allocated() - held) / MiB
+    del out
+
+    # Decode and flatten over rotating cache copies.
+    caches = [cache] + [_clone_cache(module, cache) for _ in range(copies - 1)]
+    row["copies"] = {"kvqc": copies}
+    row["kvqc_ms"] = _bench(_rotating(lambda c: module.decode(query, c, block_tables, seq_lens),
+                                      [(c,) for c in caches]))
+    # flatten reads seq_lens on the host, so its time includes that sync and the launch behind it.
+    row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens),
+                                         [(c,) for c in caches]))
+    del caches, cache
+    torch.cuda.empty_cache()
+
+    kv_bytes = decode_bytes(b, n, hkv, bpt)
+    fp16_bytes = fp16_kv_bytes(b * n, hkv, d)
+    row["floor_ms"] = floor_ms(kv_bytes, bw)
+    row["fraction_of_floor"] = row["floor_ms"] / row["kvqc_ms"]
+    row["flatten_bytes"] = kv_bytes + fp16_bytes
+    row["flatten_fraction_of_bw"] = gbps(row["flatten_bytes"], row["flatten_ms"]) / bw
+
+    _measure_peer(row, query, fp16_bytes, cfg)
+    del query
+    _measure_fill(module, row, cfg)
+
+
+def _measure_peer(row: dict, query: torch.Tensor, fp16_bytes: int, cfg: dict) -> None:
+    b, n, d, hkv = row["batch"], row["context"], row["head_dim"], cfg["kv_heads"]
+    copies = rotation_count(fp16_bytes, cfg["l2_bytes"], _free_bytes())
+    row["copies"]["sdpa"] = copies
+    if copies == 0:
+        _note(row, "fp16 peer does not fit in the memory budget")
+        return
+    q = query.unsqueeze(2).contiguous()
+    kv = [(torch.randn(b, hkv, n, d, dtype=torch.float16, device=DEVICE),
+           torch.randn(b, hkv, n, d, dtype=torch.float16, device=DEVICE)) for _ in range(copies)]
+    row["peer_ms"] = _bench(_rotating(lambda k, v: sdpa(q, k, v), kv))
+    del kv
+    row["speedup"] = row["peer_ms"] / row["kvqc_ms"]
+    row["peer_floor_ms"] = floor_ms(fp16_bytes, cfg["copy_gbps"])
+    row["peer_fraction_of_floor"] = row["peer_floor_ms"] / row["peer_ms"]
+
+
+def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
+    b, n, d = row["batch"], row["context"], row["head_dim"]
+    hkv, bs = cfg["kv_heads"], cfg["block_size"]
+    per_seq = min(n, FILL_TOKENS_PER_SEQ)
+    tokens = b * per_seq
+    blocks_per_seq = math.ceil(per_seq / bs)
+
+    def copy_set() -> tuple:
+        cache = module.allocate_cache(b * blocks_per_seq, bs, hkv, d, device=DEVICE, dtype=torch.float16)
+        key = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
+        value = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
+        return cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs)
+
+    first = copy_set()
+    set_bytes = _cache_bytes(first[0]) + fp16_kv_bytes(tokens, hkv, d) + tokens * 8
+    copies = rotation_count(set_bytes, cfg["l2_bytes"], _free_bytes())
+    row["copies"]["fill"] = copies
+    if copies == 0:
+        _note(row, "fill inputs do not fit in the memory budget")
+        return
+    sets = [first] + [copy_set() for _ in range(copies - 1)]
+    row["fill_tokens"] = tokens
+    row["fill_ms"] = _bench(_rotating(module.fill, sets))
+    del sets, first
+    row["fill_bytes"] = fp16_kv_bytes(tokens, hkv, d) + tokens * hkv * row["bytes_per_token"]
+    row["fill_fraction_of_bw"] = gbps(row["fill_bytes"], row["fill_ms"]) / cfg["copy_gbps"]
+
+
+def bench_shape(module: ModuleType, scheme: str, shape: tuple[int, int, int], cfg: dict) -> dict:
+    b, n, d = shape
+    row = {"scheme": scheme, "batch": b, "context": n, "head_dim": d, "q_heads": cfg["q_heads"],
+           "kv_heads": cfg["kv_heads"], "block_size": cfg["block_size"], "status": "ok"}
+    if d not in tuple(module.HEAD_DIMS):
+        row.update(status="skipped", note=f"not built for head_dim {d} (built for {list(module.HEAD_DIMS)})")
+        return row
+    try:
+        _measure(module, row, cfg)
+    except torch.cuda.OutOfMemoryError:
+        row.update(status="skipped", note="out of GPU memory")
+    except Exception as exc:  # one broken shape must not lose the others' numbers
+        row.update(status="error", note=_one_line(exc))
+    finally:
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # a sticky CUDA error: later shapes will say so themselves
+            _note(row, _one_line(exc))
+    return row
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _note(row: dict, text: str) -> None:
+    row["note"] = f"{row['note']}; {text}" if row.get("note") else text
+
+
+# ---------------------------------------------------------------- output
+
+COLUMNS = (("B", 3), ("ctx", 7), ("D", 4), ("sdpa ms", 9), ("kvqc ms", 9), ("speedup", 8), ("floor ms", 9),
+           ("%floor", 7), ("fill %bw", 9), ("flatten %bw", 11), ("scratch MiB", 11), ("err", 9))
+
+
+def _fmt(value: object, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['batch']:>3} {row['context']:>7} {row['head_dim']:>4}"
+    if row["status"] != "ok":
+        return f"{head}  {row['status']}: {row.get('note', '')}"
+    pct = lambda key: _fmt(None if row.get(key) is None else 100 * row[key], ".1f")  # noqa: E731
+    err = row.get("rel_err")
+    cells = [_fmt(row.get("peer_ms"), ".4f"), _fmt(row.get("kvqc_ms"), ".4f"), _fmt(row.get("speedup"), ".2f"),
+             _fmt(row.get("floor_ms"), ".4f"), pct("fraction_of_floor"), pct("fill_fraction_of_bw"),
+             pct("flatten_fraction_of_bw"), _fmt(row.get("scratch_mib"), ".2f"),
+             _fmt(err, ".1e") + ("!" if err is not None and not err <= ERR_WARN else " ")]
+    line = head + "".join(f" {c:>{w}}" for c, (_, w) in zip(cells, COLUMNS[3:]))
+    return line + (f"  ({row['note']})" if row.get("note") else "")
+
+
+def table_header() -> str:
+    return " ".join(f"{name:>{w}}" for name, w in COLUMNS)
+
+
+def _write_json(path: str, header: dict, rows: list[dict]) -> None:
+    Path(path).write_text(json.dumps({**header, "results": rows}, indent=2) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print(NO_GPU, file=sys.stderr)
+        return 2
+    if args.q_heads < 1 or args.kv_heads < 1 or args.q_heads % args.kv_heads or args.block_size < 1:
+        print("kvqc bench: --q-heads must be a positive multiple of --kv-heads, --block-size positive", file=sys.stderr)
+        return 2
+    if not _has_enable_gqa():
+        print("kvqc bench: the SDPA peer needs torch >= 2.5 (scaled_dot_product_attention's enable_gqa)",
+              file=sys.stderr)
+        return 2
+    try:
+        modules = resolve_modules(args.schemes)
+    except ValueError as exc:
+        print(f"kvqc bench: {exc}", file=sys.stderr)
+        return 2
+    import triton
+
+    bandwidth = copy_bandwidth()
+    header = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_bandwidth_gbps": bandwidth, "l2_bytes": _l2_bytes(),
+              "method": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms); inputs rotated over copies "
+                        f"exceeding {L2_MULTIPLE}x L2; floors = bytes / copy bandwidth (read + written)"}
+    print(f"device: {header['device']}")
+    print(f"torch {header['torch']}, triton {header['triton']}")
+    print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
+          f"L2 {header['l2_bytes'] / MiB:.0f} MiB")
+    print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}; "
+          f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g})")
+    cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
+           "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"]}
+    grid = shapes(args.batch, args.context, args.head_dim, args.quick)
+    rows: list[dict] = []
+    for name, path in modules:
+        print(f"\n{name} ({path}); flatten's time includes its host read of seq_lens")
+        try:
+            module = load_module(name, path)
+        except Exception as exc:
+            print(f"  could not import: {type(exc).__name__}: {exc}")
+            rows.append({"scheme": name, "status": "error", "note": f"import: {type(exc).__name__}: {exc}"})
+            continue
+        print(table_header(), flush=True)
+        for shape in grid:
+            row = bench_shape(module, name, shape, cfg)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            _write_json(args.json, header, rows)  # after every shape, so a run cut short keeps what it measured
+    _write_json(args.json, header, rows)
+    print(f"\nresults: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

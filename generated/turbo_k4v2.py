@@ -78,10 +78,61 @@ DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products.
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
-_FILL_BLOCK_T = 16
-_FLATTEN_BLOCK_T = 32
-_DECODE_BLOCK_N = 64
+# Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
+_FILL_BLOCK_T = 64
+_FLATTEN_BLOCK_T = 64
+# Decode tuning from a sweep on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
+_DECODE_BLOCK_N = 128
+_DECODE_WARPS = 4
+_DECODE_STAGES = 3
+_SPLITS_PER_SM = 4
 _MAX_SPLITS = 64
+
+
+@triton.jit
+def _interleave_zeros(x):
+    """[R, C] -> [R, 2C] with x in the even columns and zeros in the odd ones."""
+    return tl.reshape(tl.join(x, tl.zeros_like(x)), [x.shape[0], 2 * x.shape[1]])
+
+
+@triton.jit
+def _even_columns(x):
+    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return even
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr):
+    """a @ b with float32 accumulation on tensor cores (a has at least 16 rows everywhere it is called).
+
+    tl.dot needs inner and outer dimensions of at least 16; narrower chunks are zero-padded by interleaving
+    zeros, which leaves the product unchanged, and the padding columns of the result are dropped again.
+    """
+    K: tl.constexpr = a.shape[1]
+    N: tl.constexpr = b.shape[1]
+    if K < 16:
+        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
+    if K < 8:
+        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
+    if K < 4:
+        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
+    if N < 16:
+        b = _interleave_zeros(b)
+    if N < 8:
+        b = _interleave_zeros(b)
+    if N < 4:
+        b = _interleave_zeros(b)
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    else:
+        out = tl.dot(a, b)
+    if N < 4:
+        out = _even_columns(out)
+    if N < 8:
+        out = _even_columns(out)
+    if N < 16:
+        out = _even_columns(out)
+    return out
 
 
 @triton.jit
@@ -116,6 +167,10 @@ def _fill_kernel(
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     dim = tl.arange(0, HEAD_DIM)
+    KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
+    key_chunk = tl.arange(0, KEY_CHUNK)
+    VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
+    value_chunk = tl.arange(0, VALUE_CHUNK)
     slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
     # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
     valid = (slot >= 0) & (slot < num_slots)
@@ -127,43 +182,78 @@ def _fill_kernel(
         mask=valid[:, None],
         other=0.0,
     ).to(tl.float32)
-    # Into position order: the rotation and the packing's permutation are one matrix.
-    matrix = tl.load(key_matrix_ptr + dim[:, None] * HEAD_DIM + dim[None, :])
-    x = tl.dot(x, tl.trans(matrix), input_precision=DOT_PRECISION)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    # A zero row stores norm 0 and reads back as zeros, never NaN.
-    unit = x / tl.maximum(norm, 1e-30)[:, None]
-    # Lloyd-Max cell by binary search over the sorted boundaries: 3 probes, not 7 compares.
-    code = tl.zeros([BLOCK_T, HEAD_DIM], tl.int32)
-    probe = code + 4
-    code = tl.where(unit > tl.load(key_boundaries_ptr + probe - 1), probe, code)
-    probe = code + 2
-    code = tl.where(unit > tl.load(key_boundaries_ptr + probe - 1), probe, code)
-    probe = code + 1
-    code = tl.where(unit > tl.load(key_boundaries_ptr + probe - 1), probe, code)
-    residual = unit - tl.load(key_centroids_ptr + code)
-    code = code | ((residual >= 0).to(tl.int32) << 3)
-    residual_rms = tl.sqrt(tl.sum(residual * residual, axis=1) / HEAD_DIM)
-    bits = code & 15
-    bits = tl.reshape(bits, [BLOCK_T, HEAD_DIM // 2, 2])
-    packed = tl.sum(bits << (tl.arange(0, 2) * 4)[None, None, :], axis=2)
-    byte = tl.arange(0, HEAD_DIM // 2)
-    tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + byte[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
+    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows.
+    matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_0 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_1 = _mm(x, tl.trans(matrix), DOT_PRECISION)
 
-    tl.store(
-        key_meta_ptr + row * 2 + 0,
-        norm.to(key_meta_ptr.dtype.element_ty),
-        mask=valid,
-    )
-    tl.store(
-        key_meta_ptr + row * 2 + 1,
-        residual_rms.to(key_meta_ptr.dtype.element_ty),
-        mask=valid,
-    )
+    norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
+    # A zero row stores norm 0 and reads back as zeros, never NaN.
+    inverse = 1.0 / tl.maximum(norm, 1e-30)
+    key_b0 = tl.load(key_boundaries_ptr + 0)
+    key_b1 = tl.load(key_boundaries_ptr + 1)
+    key_b2 = tl.load(key_boundaries_ptr + 2)
+    key_b3 = tl.load(key_boundaries_ptr + 3)
+    key_b4 = tl.load(key_boundaries_ptr + 4)
+    key_b5 = tl.load(key_boundaries_ptr + 5)
+    key_b6 = tl.load(key_boundaries_ptr + 6)
+
+    key_c0 = tl.load(key_centroids_ptr + 0)
+    key_c1 = tl.load(key_centroids_ptr + 1)
+    key_c2 = tl.load(key_centroids_ptr + 2)
+    key_c3 = tl.load(key_centroids_ptr + 3)
+    key_c4 = tl.load(key_centroids_ptr + 4)
+    key_c5 = tl.load(key_centroids_ptr + 5)
+    key_c6 = tl.load(key_centroids_ptr + 6)
+    key_c7 = tl.load(key_centroids_ptr + 7)
+
+    unit = x_0 * inverse[:, None]
+    code_0 = (unit > key_b0).to(tl.int32)
+    code_0 += (unit > key_b1).to(tl.int32)
+    code_0 += (unit > key_b2).to(tl.int32)
+    code_0 += (unit > key_b3).to(tl.int32)
+    code_0 += (unit > key_b4).to(tl.int32)
+    code_0 += (unit > key_b5).to(tl.int32)
+    code_0 += (unit > key_b6).to(tl.int32)
+
+    lut_0_0 = tl.where((code_0 & 1) != 0, key_c1, key_c0)
+    lut_0_1 = tl.where((code_0 & 1) != 0, key_c3, key_c2)
+    lut_0_2 = tl.where((code_0 & 1) != 0, key_c5, key_c4)
+    lut_0_3 = tl.where((code_0 & 1) != 0, key_c7, key_c6)
+    lut_1_0 = tl.where((code_0 & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((code_0 & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((code_0 & 4) != 0, lut_1_1, lut_1_0)
+    centroid = lut_2_0
+
+    residual_0 = unit - centroid
+    unit = x_1 * inverse[:, None]
+    code_1 = (unit > key_b0).to(tl.int32)
+    code_1 += (unit > key_b1).to(tl.int32)
+    code_1 += (unit > key_b2).to(tl.int32)
+    code_1 += (unit > key_b3).to(tl.int32)
+    code_1 += (unit > key_b4).to(tl.int32)
+    code_1 += (unit > key_b5).to(tl.int32)
+    code_1 += (unit > key_b6).to(tl.int32)
+
+    lut_0_0 = tl.where((code_1 & 1) != 0, key_c1, key_c0)
+    lut_0_1 = tl.where((code_1 & 1) != 0, key_c3, key_c2)
+    lut_0_2 = tl.where((code_1 & 1) != 0, key_c5, key_c4)
+    lut_0_3 = tl.where((code_1 & 1) != 0, key_c7, key_c6)
+    lut_1_0 = tl.where((code_1 & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((code_1 & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((code_1 & 4) != 0, lut_1_1, lut_1_0)
+    centroid = lut_2_0
+
+    residual_1 = unit - centroid
+    code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
+    code_1 = code_1 | ((residual_1 >= 0).to(tl.int32) << 3)
+    residual_rms = tl.sqrt((tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)) / HEAD_DIM)
+    packed = ((code_0) & 15) | ((code_1) & 15) << 4
+    tl.store(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
+
+    tl.store(key_meta_ptr + row * 2 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
+    tl.store(key_meta_ptr + row * 2 + 1, residual_rms.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
 
     # value
@@ -172,33 +262,47 @@ def _fill_kernel(
         mask=valid[:, None],
         other=0.0,
     ).to(tl.float32)
-    # Into position order: the rotation and the packing's permutation are one matrix.
-    matrix = tl.load(value_matrix_ptr + dim[:, None] * HEAD_DIM + dim[None, :])
-    x = tl.dot(x, tl.trans(matrix), input_precision=DOT_PRECISION)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    # A zero row stores norm 0 and reads back as zeros, never NaN.
-    unit = x / tl.maximum(norm, 1e-30)[:, None]
-    # Lloyd-Max cell by binary search over the sorted boundaries: 2 probes, not 3 compares.
-    code = tl.zeros([BLOCK_T, HEAD_DIM], tl.int32)
-    probe = code + 2
-    code = tl.where(unit > tl.load(value_boundaries_ptr + probe - 1), probe, code)
-    probe = code + 1
-    code = tl.where(unit > tl.load(value_boundaries_ptr + probe - 1), probe, code)
-    bits = code & 3
-    bits = tl.reshape(bits, [BLOCK_T, HEAD_DIM // 4, 4])
-    packed = tl.sum(bits << (tl.arange(0, 4) * 2)[None, None, :], axis=2)
-    byte = tl.arange(0, HEAD_DIM // 4)
-    tl.store(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + byte[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
+    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows.
+    matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_0 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_1 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_2 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    x_3 = _mm(x, tl.trans(matrix), DOT_PRECISION)
 
-    tl.store(
-        value_meta_ptr + row * 1 + 0,
-        norm.to(value_meta_ptr.dtype.element_ty),
-        mask=valid,
-    )
+    norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
+    # A zero row stores norm 0 and reads back as zeros, never NaN.
+    inverse = 1.0 / tl.maximum(norm, 1e-30)
+    value_b0 = tl.load(value_boundaries_ptr + 0)
+    value_b1 = tl.load(value_boundaries_ptr + 1)
+    value_b2 = tl.load(value_boundaries_ptr + 2)
+
+    unit = x_0 * inverse[:, None]
+    code_0 = (unit > value_b0).to(tl.int32)
+    code_0 += (unit > value_b1).to(tl.int32)
+    code_0 += (unit > value_b2).to(tl.int32)
+
+    unit = x_1 * inverse[:, None]
+    code_1 = (unit > value_b0).to(tl.int32)
+    code_1 += (unit > value_b1).to(tl.int32)
+    code_1 += (unit > value_b2).to(tl.int32)
+
+    unit = x_2 * inverse[:, None]
+    code_2 = (unit > value_b0).to(tl.int32)
+    code_2 += (unit > value_b1).to(tl.int32)
+    code_2 += (unit > value_b2).to(tl.int32)
+
+    unit = x_3 * inverse[:, None]
+    code_3 = (unit > value_b0).to(tl.int32)
+    code_3 += (unit > value_b1).to(tl.int32)
+    code_3 += (unit > value_b2).to(tl.int32)
+
+    packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+    tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
+
+    tl.store(value_meta_ptr + row * 1 + 0, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -233,6 +337,10 @@ def _flatten_kernel(
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
     dim = tl.arange(0, HEAD_DIM)
+    KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
+    key_chunk = tl.arange(0, KEY_CHUNK)
+    VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
+    value_chunk = tl.arange(0, VALUE_CHUNK)
     seq_len = tl.load(seq_lens_ptr + seq)
     if tl.program_id(1) * BLOCK_T >= seq_len:
         return
@@ -244,51 +352,113 @@ def _flatten_kernel(
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
 
     # key
-    byte = tl.arange(0, HEAD_DIM // 2)
-    packed = tl.load(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + byte[None, :],
-        mask=valid[:, None],
-        other=0,
-    ).to(tl.int32)
-    bits = (packed[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15
-    bits = tl.reshape(bits, [BLOCK_T, HEAD_DIM])
-    code = bits
+    key_c0 = tl.load(key_centroids_ptr + 0)
+    key_c1 = tl.load(key_centroids_ptr + 1)
+    key_c2 = tl.load(key_centroids_ptr + 2)
+    key_c3 = tl.load(key_centroids_ptr + 3)
+    key_c4 = tl.load(key_centroids_ptr + 4)
+    key_c5 = tl.load(key_centroids_ptr + 5)
+    key_c6 = tl.load(key_centroids_ptr + 6)
+    key_c7 = tl.load(key_centroids_ptr + 7)
 
-    norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-    residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-    centroid = tl.load(key_centroids_ptr + (code & 7))
-    positive = ((code >> 3) & 1) != 0
-    tile = norm[:, None] * (centroid + tl.where(positive, residual_rms[:, None], -residual_rms[:, None]))
+    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    matrix = tl.load(key_matrix_ptr + dim[:, None] * HEAD_DIM + dim[None, :])
-    tile = tl.dot(tile, matrix, input_precision=DOT_PRECISION)
-    tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :],
-        tile.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
+    key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+    key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+
+    code = key_bytes_0_0 & 15
+
+    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+    tile = lut_2_0
+
+    positive = (code & 8) != 0
+    tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+    tile_0 = tile * key_norm[:, None]
+    code = (key_bytes_0_0 >> 4) & 15
+
+    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+    tile = lut_2_0
+
+    positive = (code & 8) != 0
+    tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+    tile_1 = tile * key_norm[:, None]
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
+    matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out = _mm(tile_0, matrix, DOT_PRECISION)
+    matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out += _mm(tile_1, matrix, DOT_PRECISION)
+    tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None])
 
     # value
-    byte = tl.arange(0, HEAD_DIM // 4)
-    packed = tl.load(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + byte[None, :],
-        mask=valid[:, None],
-        other=0,
-    ).to(tl.int32)
-    bits = (packed[:, :, None] >> (tl.arange(0, 4) * 2)[None, None, :]) & 3
-    bits = tl.reshape(bits, [BLOCK_T, HEAD_DIM])
-    code = bits
+    value_c0 = tl.load(value_centroids_ptr + 0)
+    value_c1 = tl.load(value_centroids_ptr + 1)
+    value_c2 = tl.load(value_centroids_ptr + 2)
+    value_c3 = tl.load(value_centroids_ptr + 3)
 
-    norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
-    tile = norm[:, None] * tl.load(value_centroids_ptr + code)
+    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    matrix = tl.load(value_matrix_ptr + dim[:, None] * HEAD_DIM + dim[None, :])
-    tile = tl.dot(tile, matrix, input_precision=DOT_PRECISION)
-    tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :],
-        tile.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
+    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+
+    code = value_bytes_0_0 & 3
+
+    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    tile = lut_1_0
+
+
+    tile_0 = tile * value_norm[:, None]
+    code = (value_bytes_0_0 >> 2) & 3
+
+    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    tile = lut_1_0
+
+
+    tile_1 = tile * value_norm[:, None]
+    code = (value_bytes_0_0 >> 4) & 3
+
+    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    tile = lut_1_0
+
+
+    tile_2 = tile * value_norm[:, None]
+    code = (value_bytes_0_0 >> 6) & 3
+
+    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+    tile = lut_1_0
+
+
+    tile_3 = tile * value_norm[:, None]
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
+    matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out = _mm(tile_0, matrix, DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out += _mm(tile_1, matrix, DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out += _mm(tile_2, matrix, DOT_PRECISION)
+    matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
+    out += _mm(tile_3, matrix, DOT_PRECISION)
+    tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None])
 
 
 @triton.jit
@@ -314,7 +484,6 @@ def _decode_kernel(
     sm_scale_log2,
     num_blocks,
     stride_block_table,
-    tokens_per_split,
     num_splits,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -322,57 +491,102 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TOKENS_PER_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
-    Scores are taken in the rotated basis against codes dequantized in registers; the split's running max,
-    sum and unnormalized output go to scratch for `_decode_reduce_kernel`.
+    Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
+    scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
+    unnormalized output go to scratch for `_decode_reduce_kernel`.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    dim = tl.arange(0, HEAD_DIM)
-    q_head = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    q_row = seq * NUM_KV_HEADS * GROUP + q_head
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + dim[None, :], mask=q_valid[:, None], other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    start = split * TOKENS_PER_SPLIT
+    if start >= seq_len:
+        return  # the reduce kernel skips splits past the sequence's end
+    KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
+    key_chunk = tl.arange(0, KEY_CHUNK)
+    VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
+    value_chunk = tl.arange(0, VALUE_CHUNK)
+    q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    q_valid = tl.arange(0, GROUP_PAD) < GROUP
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query_0 = query.to(DOT_DTYPE)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query_1 = query.to(DOT_DTYPE)
+    key_c0 = tl.load(key_centroids_ptr + 0)
+    key_c1 = tl.load(key_centroids_ptr + 1)
+    key_c2 = tl.load(key_centroids_ptr + 2)
+    key_c3 = tl.load(key_centroids_ptr + 3)
+    key_c4 = tl.load(key_centroids_ptr + 4)
+    key_c5 = tl.load(key_centroids_ptr + 5)
+    key_c6 = tl.load(key_centroids_ptr + 6)
+    key_c7 = tl.load(key_centroids_ptr + 7)
+
+    value_c0 = tl.load(value_centroids_ptr + 0)
+    value_c1 = tl.load(value_centroids_ptr + 1)
+    value_c2 = tl.load(value_centroids_ptr + 2)
+    value_c3 = tl.load(value_centroids_ptr + 3)
+
+    end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # A while loop, not range(start, end): Triton's interpreter cannot index with per-program scalars.
-    first = start
-    while first < end:
-        position = first + tl.arange(0, BLOCK_N)
+    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
+    for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+        position = start + offset + tl.arange(0, BLOCK_N)
         in_seq = position < end
         block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq, other=-1)
         valid = in_seq & (block >= 0) & (block < num_blocks)
         row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
 
-        # key
-        byte = tl.arange(0, HEAD_DIM // 2)
-        packed = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + byte[None, :],
-            mask=valid[:, None],
-            other=0,
-        ).to(tl.int32)
-        bits = (packed[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15
-        bits = tl.reshape(bits, [BLOCK_N, HEAD_DIM])
-        code = bits
+        # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-        residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-        centroid = tl.load(key_centroids_ptr + (code & 7))
-        positive = ((code >> 3) & 1) != 0
-        tile = norm[:, None] * (centroid + tl.where(positive, residual_rms[:, None], -residual_rms[:, None]))
+        key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
-        scores = tl.dot(query, tl.trans(tile), input_precision=DOT_PRECISION)
+        code = key_bytes_0_0 & 15
+
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
+
+        positive = (code & 8) != 0
+        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+        dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        code = (key_bytes_0_0 >> 4) & 15
+
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
+
+        positive = (code & 8) != 0
+        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+        dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        scores = dots * key_norm[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)
@@ -380,27 +594,56 @@ def _decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
 
-        # value
-        byte = tl.arange(0, HEAD_DIM // 4)
-        packed = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + byte[None, :],
-            mask=valid[:, None],
-            other=0,
-        ).to(tl.int32)
-        bits = (packed[:, :, None] >> (tl.arange(0, 4) * 2)[None, None, :]) & 3
-        bits = tl.reshape(bits, [BLOCK_N, HEAD_DIM])
-        code = bits
+        # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
-        tile = norm[:, None] * tl.load(value_centroids_ptr + code)
+        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-        acc = acc * alpha[:, None] + tl.dot(p, tile, input_precision=DOT_PRECISION)
-        first += BLOCK_N
+        weights = (p * value_norm[None, :]).to(DOT_DTYPE)
+        code = value_bytes_0_0 & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+
+        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        code = (value_bytes_0_0 >> 2) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+
+        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        code = (value_bytes_0_0 >> 4) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+
+        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        code = (value_bytes_0_0 >> 6) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+
+        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
-    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], acc, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :], acc_1, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :], acc_2, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :], acc_3, mask=q_valid[:, None])
 
 
 @triton.jit
@@ -409,19 +652,24 @@ def _decode_reduce_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
+    seq_lens_ptr,
+    tokens_per_split,
     num_splits,
+    NUM_Q_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head); the output stays in the rotated basis."""
     q_row = tl.program_id(0)
+    seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
-    has = split < num_splits
+    # Splits that start past the sequence's end never ran and left their scratch unwritten.
+    has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
-    weight = tl.exp2(split_max - tl.max(split_max, axis=0))
+    weight = tl.where(has, tl.exp2(split_max - tl.max(split_max, axis=0)), 0.0)
     total = tl.sum(split_sum * weight, axis=0)
     # An empty sequence has total 0: its output is zeros rather than 0/0.
     weight = weight / tl.where(total > 0, total, 1.0)
@@ -437,9 +685,9 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
-def _split_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under split packing: byte j, field i holds j + i * head_dim / per_byte."""
-    return torch.arange(head_dim).view(per_byte, head_dim // per_byte).t().reshape(-1)
+def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
+    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
+    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,7 +697,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     tables = {}
 
     # key
-    order = _split_order(d, 2)
+    order = torch.arange(d)
     rotation = _hadamard(d) / math.sqrt(d)
     # Row p maps an input vector to the value stored at position p.
     tables["key_matrix"] = rotation[order].to(device, torch.float32).contiguous()
@@ -458,7 +706,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
 
     # value
-    order = _split_order(d, 4)
+    order = torch.arange(d)
     rotation = _hadamard(d) / math.sqrt(d)
     # Row p maps an input vector to the value stored at position p.
     tables["value_matrix"] = rotation[order].to(device, torch.float32).contiguous()
@@ -469,6 +717,11 @@ def _tables(head_dim: int, device: torch.device) -> dict:
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Decode's dot products take the model's precision; float32 models get float32-accurate products. The
+# interpreter computes bfloat16 dots wrongly (numpy has no bfloat16), so it gets float32 throughout.
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+if _INTERPRET:
+    _DOT_DTYPES = dict.fromkeys(_DOT_DTYPES, tl.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -680,10 +933,12 @@ def decode(
     q = q @ tables["key_matrix"].t()  # rotated once, in position order
     q = q.contiguous()
 
-    tiles = triton.cdiv(block_tables.shape[1] * cache.block_size, _DECODE_BLOCK_N)
-    num_splits = min(tiles, _MAX_SPLITS, max(1, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
-    tokens_per_split = triton.cdiv(tiles, num_splits) * _DECODE_BLOCK_N
-    num_splits = triton.cdiv(tiles * _DECODE_BLOCK_N, tokens_per_split)
+    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
+    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    capacity = block_tables.shape[1] * cache.block_size
+    wanted = max(1, min(_MAX_SPLITS, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
+    tokens_per_split = max(_DECODE_BLOCK_N, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
+    num_splits = triton.cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
     partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=cache.device)
     partial_max = torch.empty(rows, num_splits, dtype=torch.float32, device=cache.device)
@@ -710,7 +965,6 @@ def decode(
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         cache.num_blocks,
         block_tables.stride(0),
-        tokens_per_split,
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
@@ -718,28 +972,36 @@ def decode(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         BLOCK_N=_DECODE_BLOCK_N,
+        TOKENS_PER_SPLIT=tokens_per_split,
+        DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
+        num_warps=_DECODE_WARPS,
+        num_stages=_DECODE_STAGES,
     )
-    out = _reduce(partial_out, partial_max, partial_sum)
+    reduce = functools.partial(
+        _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
+        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
+    )
+    out = reduce(partial_out)
     out = out @ tables["value_matrix"]  # back to the input basis, once
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial: torch.Tensor, partial_max: torch.Tensor, partial_sum: torch.Tensor) -> torch.Tensor:
+def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=torch.float32, device=partial.device)
     _decode_reduce_kernel[(rows,)](
-        partial, partial_max, partial_sum, out, num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
+        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
     )
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def _target_programs(device: torch.device) -> int:
-    """Enough split programs to fill the GPU twice; two on the interpreter, so tests still cross a split."""
+    """Enough split programs to fill the GPU; two on the interpreter, so tests still cross a split."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return _SPLITS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
 
 

@@ -51,9 +51,9 @@ def _list(args: argparse.Namespace) -> int:
     from .layout import plan
 
     d = args.head_dim
+    schemes = [load_scheme(path) for path in _schemes(args.schemes)]  # every file valid before any output
     print(f"{'scheme':<20} {'K bits':>7} {'V bits':>7} {'bytes/token':>12} {'vs fp16':>8}   (head_dim {d}, 16-bit metadata)")
-    for path in _schemes(args.schemes):
-        scheme = load_scheme(path)
+    for scheme in schemes:
         if d not in scheme.head_dims:
             print(f"{scheme.name:<20} (not built for head_dim {d}; built for {list(scheme.head_dims)})")
             continue
@@ -89,6 +89,10 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")  # a scheme's text may hold lone surrogates
     parser = argparse.ArgumentParser(prog="kvqc", description="Compile KV-cache quantization schemes to Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="render schemes into generated/<name>.py")
@@ -101,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.set_defaults(run=_list)
     p = sub.add_parser("bench", help="time decode / fill / flatten against fp16 SDPA on a GPU")
-    from . import bench
+    if argv[:1] == ["bench"]:  # bench imports torch: only when asked, so `kvqc build` stays quick
+        from . import bench
 
-    bench.add_arguments(p)
-    p.set_defaults(run=bench.run)
+        bench.add_arguments(p)
+        p.set_defaults(run=bench.run)
     p = sub.add_parser("explain", help="a scheme's cache layout and kernels")
     p.add_argument("scheme")
     p.add_argument("--head-dim", type=int, default=128)
@@ -114,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except SchemeError as exc:
         print(f"kvqc: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. --out naming a file, an unwritable directory
+        print(f"kvqc: {exc.filename or args.command}: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

@@ -80,7 +80,8 @@ def render(scheme: Scheme) -> str:
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)
-    compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
+    if os.environ.get("KVQC_RENDER_RAW") != "1":
+        compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
     return source
 
 
@@ -91,6 +92,9 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a module is an ordinary source file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -6,10 +6,12 @@ Terms used across kvqc and the generated code:
   for a residual stage, its sign bit above them (LMDeploy's nibble = idx3 | sign << 3).
 - *plane*: codes are split into bit planes of width 8, 4, 2 or 1 (the binary digits of the code width), each
   plane packed on its own so that a 3-bit code costs 3 bits and not 4.
-- *position*: where a code sits in the unpacked tile. Position p is held by byte p // k of its plane at field
-  p % k (k = 8 / width). `interleaved` packing stores coordinate p at position p; `split` packing (LMDeploy)
-  stores coordinate (p % k) * (d / k) + p // k there. Kernels work in position order; the permutation is folded
-  into the rotation matrix, so it costs nothing at run time.
+- *position*: kernels work on `chunks` column tiles of `head_dim / chunks` positions each (chunks = codes per
+  byte of the narrowest plane), so that unpacking is a shift and a mask, never a reshape. A plane with k codes per
+  byte keeps position i * (d / k) + j in byte j, field i. `split` packing stores coordinate p at position p (this
+  is LMDeploy's layout, and it works for any number of planes); `interleaved` packing (byte j holds coordinates
+  j*k .. j*k+k-1, single-plane codes only) stores another coordinate there, and that permutation is folded into
+  the rotation matrix, so it costs nothing at run time.
 """
 
 from __future__ import annotations
@@ -95,8 +97,16 @@ class SideLayout:
         return self.scheme.rotation.kind == "hadamard"
 
     @property
+    def chunks(self) -> int:
+        return 8 // self.planes[0].width
+
+    def ranges(self, plane: Plane) -> int:
+        """How many chunk-wide byte ranges a plane has: chunk c reads range c % ranges, field c // ranges."""
+        return self.chunks // plane.per_byte
+
+    @property
     def permuted(self) -> bool:
-        return self.scheme.packing == "split" and self.code_bits < 8
+        return self.scheme.packing == "interleaved" and self.code_bits < 8
 
     @property
     def uses_matrix(self) -> bool:
@@ -107,7 +117,7 @@ class SideLayout:
         if not self.permuted:
             return tuple(range(head_dim))
         k = 8 // self.code_bits
-        return tuple((p % k) * (head_dim // k) + p // k for p in range(head_dim))
+        return tuple((p % (head_dim // k)) * k + p // (head_dim // k) for p in range(head_dim))
 
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation

@@ -117,7 +117,9 @@ class SideReference:
                 decided = residual @ self.qjl.T  # S r
                 fields.append(residual.norm(dim=1))
             code = code | ((decided >= 0).to(torch.int64) << bits)
-            margin = torch.minimum(margin, decided.abs() * math.sqrt(self.d))
+            # N(0,1) units: r's coordinates have RMS |r|/sqrt(d); each coordinate of S r has RMS |r|.
+            spread = residual.norm(dim=1, keepdim=True) / (math.sqrt(self.d) if self.s.residual.kind == "sign" else 1)
+            margin = torch.minimum(margin, decided.abs() / spread.clamp_min(1e-300))
         meta = torch.stack(fields, dim=1)
         return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
 

@@ -72,7 +72,7 @@ class TensorScheme:
     scale: Scale
     codebook: Codebook
     residual: Residual
-    packing: str = "interleaved"  # interleaved: byte j holds coords j*k..j*k+k-1 | split: coords j + i*d/k
+    packing: str = "split"  # split: byte j, field i holds coordinate j + i*d/k | interleaved: j*k + i
 
     @property
     def code_bits(self) -> int:
@@ -182,6 +182,10 @@ def _read_yaml(text: str, source: str) -> Any:
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except SchemeError:
+        raise
+    except (ValueError, OverflowError) as exc:  # PyYAML's int() of a number too long to convert
+        raise SchemeError(source, "", f"invalid YAML: {str(exc).splitlines()[0][:80]}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -208,6 +212,8 @@ class _Fields:
         self.data = data
 
     def field(self, name: str) -> str:
+        # A key that is not an identifier is quoted, so the path stays one unambiguous line.
+        name = name if all(part.isidentifier() for part in name.split(".")) or not name else repr(name)
         return f"{self.path}.{name}" if self.path and name else (self.path or name)
 
     def fail(self, name: str, message: str):
@@ -243,6 +249,8 @@ class _Fields:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 1024:  # repr() refuses past 4300 digits
+        return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -289,8 +297,8 @@ def _codebook(source: str, path: str, data: Any) -> Codebook:
         raw = f.data["centroids"]
         n = 2**bits
         ok = isinstance(raw, list) and len(raw) == n
-        ok = ok and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in raw)
-        ok = ok and all(abs(c) <= 16 for c in raw) and all(a < b for a, b in zip(raw, raw[1:]))
+        ok = ok and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in raw)
+        ok = ok and all(abs(c) <= 16 and math.isfinite(c) for c in raw) and all(a < b for a, b in zip(raw, raw[1:]))
         if not ok:
             f.fail("centroids", f"expected {n} strictly increasing finite numbers in N(0,1) units (|c| <= 16)")
         centroids = tuple(float(c) for c in raw)
@@ -313,7 +321,7 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         scale=_scale(source, f.field("scale"), f.require("scale")),
         codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
         residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
-        packing=f.choice("packing", ("interleaved", "split"), default="interleaved"),
+        packing=f.choice("packing", ("split", "interleaved"), default="split"),
     )
     # Combinations the templates cannot honour are refused here, never compiled into something wrong.
     if t.codebook.kind == "lloyd_max" and t.scale.kind != "norm":
@@ -324,15 +332,15 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")
     if t.code_bits > 8:
         f.fail("codebook.bits", f"{t.codebook.bits} bits plus a 1-bit residual exceed 8 bits per coordinate")
-    if t.packing == "split" and t.code_bits not in (1, 2, 4, 8):
-        f.fail("packing", f"split packing needs 1, 2, 4 or 8 code bits, got {t.code_bits}; use interleaved")
+    if t.packing == "interleaved" and t.code_bits not in (1, 2, 4, 8):
+        f.fail("packing", f"interleaved packing needs 1, 2, 4 or 8 code bits, got {t.code_bits}; use split")
     return t
 
 
 def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | None = None) -> Scheme:
     f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value"))
     version = f.require("version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         f.fail("version", f"expected {FORMAT_VERSION} (the only scheme format this kvqc reads), got {_show(version)}")
     name = f.data.get("name", default_name)
     if not isinstance(name, str) or not NAME_RE.match(name):
@@ -344,7 +352,7 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
     if (
         not isinstance(head_dims, list)
         or not head_dims
-        or any(isinstance(d, bool) or d not in SUPPORTED_HEAD_DIMS for d in head_dims)
+        or any(type(d) is not int or d not in SUPPORTED_HEAD_DIMS for d in head_dims)
         or len(set(head_dims)) != len(head_dims)
     ):
         f.fail("head_dims", f"expected a list of distinct values from {list(SUPPORTED_HEAD_DIMS)}, got {_show(head_dims)}")

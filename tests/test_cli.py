@@ -1,0 +1,767 @@
+"""The `kvqc` command: build, build --check, list and explain.
+
+The contract for a bad scheme: exit status 2, exactly one line on stderr, `kvqc: FILE: FIELD: MESSAGE` (or
+`kvqc: FILE: MESSAGE`), no traceback, nothing written to --out, an existing module left byte-identical.
+A scheme that builds gives a module that compiles, imports, embeds the scheme without its description, records
+the content hash and kvqc version, and is byte-identical on every build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, SCHEMES
+from test_spec import scheme_specs  # the grammar of legal schemes
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+
+import kvqc
+from kvqc import codegen
+from kvqc.cli import main
+from kvqc.spec import MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme
+
+SCHEME_DIR = ROOT / "schemes"
+GENERATED = ROOT / "generated"
+BASE_TEXT = {name: (SCHEME_DIR / f"{name}.yaml").read_text(encoding="utf-8") for name in SCHEMES}
+BASE = {name: yaml.safe_load(text) for name, text in BASE_TEXT.items()}
+IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
+# A fuzz test draws many more examples than a unit test; scaled with the profile (ci 6 -> 60, deep 60 -> 600).
+FUZZ = settings(max_examples=10 * settings.default.max_examples)
+
+INJECTIONS = [
+    'x\nimport os\nos.system("touch /tmp/kvqc_pwned")',
+    '"""\nimport os; os.system("touch /tmp/kvqc_pwned")\n"""',
+    "'''; __import__('os').system('touch /tmp/kvqc_pwned'); '''",
+    '\\"""); os.system("rm -rf /kvqc_pwned") #',
+    "{{ cycler.__init__.__globals__.os.system('touch /tmp/kvqc_pwned') }}",
+    "{% raw %}os.system('kvqc_pwned'){% endraw %}",
+    "\u2028import os\u2029os.system('kvqc_pwned')",
+    "\x00\x1b[2Jkvqc_pwned",
+    "turbo_k4v2\nimport os",
+    "a" * 63 + "os.system('kvqc_pwned')",
+]
+MARKERS = ("os.system", "kvqc_pwned", "__import__")
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """kvqc in-process; returns (status, stdout, stderr). Hypothesis-safe (no function-scoped fixtures)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())} if directory.exists() else {}
+
+
+def assert_clean_failure(status: int, out: str, err: str, source: Path | str, *, table: bool = False) -> str:
+    """Exit 2, one line `kvqc: SOURCE: ...`, no traceback; returns the line. (`list` may have begun its table.)"""
+    assert status == 2, (status, out, err)
+    assert table or out == "", out
+    assert err.endswith("\n") and err.count("\n") == 1 and "\r" not in err, repr(err)
+    line = err[:-1]
+    assert line.startswith(f"kvqc: {source}: "), line
+    assert len(line) > len(f"kvqc: {source}: ") + 3, line
+    assert "Traceback" not in err
+    return line
+
+
+_imports = itertools.count()
+
+
+def import_module(path: Path):
+    name = f"kvqc_test_cli_{next(_imports)}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def _distinctive(text: str) -> bool:
+    """Long and varied enough that finding it in generated source cannot be a coincidence."""
+    return len(text.strip()) >= 12 and len(set(text)) >= 6
+
+
+def assert_good_module(scheme_path: Path, target: Path, *, rerender: bool = True) -> None:
+    scheme = load_scheme(scheme_path)
+    assert IDENT.match(scheme.name) and target.name == f"{scheme.name}.py"
+    source = target.read_text(encoding="utf-8")
+    if rerender:
+        assert source == codegen.render(scheme)  # reproducible: a second render is byte-identical
+    compile(source, str(target), "exec")
+    first = source.splitlines()[0]
+    assert f"kvqc {kvqc.__version__}" in first and scheme.content_hash in first, first
+    description = scheme.description
+    for text in (description, " ".join(description.split())):
+        if _distinctive(text):
+            assert text not in source, "the description reached the generated source"
+    for marker in MARKERS:
+        if marker in description:
+            assert marker not in source, f"injected {marker!r} reached the generated source"
+    module = import_module(target)
+    expected = scheme.to_dict()
+    expected.pop("description")
+    assert module.SCHEME == expected
+    assert module.SCHEME_HASH == scheme.content_hash
+    assert module.KVQC_VERSION == kvqc.__version__
+    assert module.HEAD_DIMS == scheme.head_dims
+
+
+def check_build(scheme_path: Path, out_dir: Path, *, sections: set[str] | None = None) -> bool:
+    """Build one file into out_dir, which holds a module that must survive a failure; True if it built."""
+    before = snapshot(out_dir)
+    status, out, err = run("build", str(scheme_path), "--out", str(out_dir))
+    if status != 0:
+        line = assert_clean_failure(status, out, err, scheme_path)
+        assert snapshot(out_dir) == before, "a failed build changed --out"
+        with pytest.raises(SchemeError) as info:  # the library says the same thing
+            load_scheme(scheme_path)
+        assert line == f"kvqc: {info.value}"
+        field = info.value.field
+        if sections is not None and field:  # the error names a field at or under a mutated one
+            assert any(field == s or field.startswith(f"{s}.") for s in sections), (line, sections)
+        return False
+    assert err == "", err
+    scheme = load_scheme(scheme_path)
+    target = out_dir / f"{scheme.name}.py"
+    assert out in (f"{scheme_path} -> {target}\n", f"{target}: up to date\n"), out
+    after = snapshot(out_dir)
+    assert set(after) == set(before) | {target.name}, "stray files in --out"
+    assert all(after[k] == v for k, v in before.items() if k != target.name)
+    assert_good_module(scheme_path, target, rerender=False)
+    # Building again renders the same bytes, so nothing is written.
+    assert run("build", str(scheme_path), "--out", str(out_dir)) == (0, f"{target}: up to date\n", "")
+    assert snapshot(out_dir) == after
+    return True
+
+
+def seeded_out(tmp: Path, name: str) -> Path:
+    """An --out directory already holding the committed module, as generated/ would."""
+    out = tmp / "out"
+    out.mkdir()
+    (out / f"{name}.py").write_bytes((GENERATED / f"{name}.py").read_bytes())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# build: shipped schemes, reproducibility, --check
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_committed_module_is_current(name):
+    """The stale-module guard: every committed module is exactly what the current compiler renders."""
+    assert (GENERATED / f"{name}.py").read_text(encoding="utf-8") == codegen.render(load_scheme(SCHEME_DIR / f"{name}.yaml")), (
+        f"generated/{name}.py is stale: run `kvqc build schemes/{name}.yaml`"
+    )
+
+
+def test_every_committed_module_has_a_scheme():
+    modules = sorted(p.stem for p in GENERATED.glob("*.py") if p.name != "__init__.py")
+    assert modules == SCHEMES, "generated/ and schemes/ disagree: an orphaned or missing module"
+
+
+def test_check_passes_in_the_repository(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the defaults: schemes/*.yaml and --out generated; --check writes nothing
+    assert run("build", "--check") == (0, "", "")
+
+
+def test_build_all_is_reproducible(tmp_path):
+    paths = [str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES]
+    status, out, err = run("build", *paths, "--out", str(tmp_path / "a"))
+    assert (status, err) == (0, "")
+    assert out.splitlines() == [f"{p} -> {tmp_path / 'a' / n}.py" for p, n in zip(paths, SCHEMES)]
+    assert run("build", *paths, "--out", str(tmp_path / "b"))[0] == 0
+    a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    assert sorted(a) == [f"{n}.py" for n in SCHEMES]  # no temporary files left behind
+    assert a == b == {f"{n}.py": codegen.render(load_scheme(p)).encode() for n, p in zip(SCHEMES, paths)}
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
+    status, out, _ = run("build", *paths, "--out", str(tmp_path / "a"))
+    assert status == 0 and out.splitlines() == [f"{tmp_path / 'a' / n}.py: up to date" for n in SCHEMES]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()} == mtimes  # not rewritten
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_shipped_module_imports_and_embeds_its_scheme(name):
+    assert_good_module(SCHEME_DIR / f"{name}.yaml", GENERATED / f"{name}.py")
+
+
+def test_header_records_hash_and_version():
+    scheme = load_scheme(SCHEME_DIR / "turbo_k4v2.yaml")
+    first = (GENERATED / "turbo_k4v2.py").read_text().splitlines()[0]
+    assert first == (
+        f"# Generated by kvqc {kvqc.__version__} from the scheme `turbo_k4v2` (content sha256 {scheme.content_hash})."
+    )
+
+
+def test_check_reports_stale_and_missing_modules(tmp_path):
+    out = tmp_path / "out"
+    k4v2, int8 = SCHEME_DIR / "turbo_k4v2.yaml", SCHEME_DIR / "int8_token.yaml"
+    assert run("build", str(k4v2), str(int8), "--out", str(out))[0] == 0
+    assert run("build", "--check", str(k4v2), str(int8), "--out", str(out)) == (0, "", "")
+
+    stale = out / "turbo_k4v2.py"
+    stale.write_text(stale.read_text().replace("KVQC_VERSION = ", "KVQC_VERSION = OLD = "))
+    before = snapshot(out)
+    status, stdout, err = run("build", "--check", str(k4v2), str(int8), "--out", str(out))
+    assert (status, stdout) == (1, "")
+    assert err == f"{stale}: stale, run `kvqc build {k4v2}`\n"
+    (out / "int8_token.py").unlink()
+    status, _, err = run("build", "--check", str(k4v2), str(int8), "--out", str(out))
+    assert status == 1 and err.splitlines() == [
+        f"{stale}: stale, run `kvqc build {k4v2}`",
+        f"{out / 'int8_token.py'}: stale, run `kvqc build {int8}`",
+    ]
+    del before["int8_token.py"]
+    assert snapshot(out) == before  # --check writes nothing
+
+    # A comment changes nothing; a scheme edit makes the module stale; rebuilding makes it current again.
+    fresh = tmp_path / "fresh"
+    assert run("build", str(k4v2), "--out", str(fresh))[0] == 0
+    edited = tmp_path / "turbo_k4v2.yaml"
+    edited.write_text(BASE_TEXT["turbo_k4v2"] + "# a comment changes nothing\n")
+    assert run("build", "--check", str(edited), "--out", str(fresh)) == (0, "", "")
+    edited.write_text(BASE_TEXT["turbo_k4v2"].replace("head_dims: [64, 128, 256]", "head_dims: [128]"))
+    status, _, err = run("build", "--check", str(edited), "--out", str(fresh))
+    assert status == 1 and err == f"{fresh / 'turbo_k4v2.py'}: stale, run `kvqc build {edited}`\n"
+    assert run("build", str(edited), "--out", str(fresh))[0] == 0
+    assert run("build", "--check", str(edited), "--out", str(fresh)) == (0, "", "")
+
+
+def test_check_with_a_bad_scheme_is_a_clean_failure(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASE_TEXT["int8_token"].replace("bits: 8}", "bits: 9}", 1))
+    line = assert_clean_failure(*run("build", "--check", str(bad), "--out", str(GENERATED)), bad)
+    assert line == f"kvqc: {bad}: key.codebook.bits: expected an integer 1..8, got 9"
+
+
+def test_one_bad_scheme_blocks_the_whole_build(tmp_path):
+    out = seeded_out(tmp_path, "int8_token")
+    bad = tmp_path / "zz_bad.yaml"
+    bad.write_text(BASE_TEXT["int4_token"].replace("bits: 4}", "bits: 9}", 1))
+    before = snapshot(out)
+    line = assert_clean_failure(*run("build", *(str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES), str(bad), "--out", str(out)), bad)
+    assert line == f"kvqc: {bad}: key.codebook.bits: expected an integer 1..8, got 9"
+    assert snapshot(out) == before
+
+
+def test_two_schemes_with_one_name(tmp_path):
+    twin = tmp_path / "twin.yaml"
+    twin.write_text(BASE_TEXT["int8_token"].replace("bits: 8}", "bits: 7}"))
+    first = SCHEME_DIR / "int8_token.yaml"
+    line = assert_clean_failure(*run("build", str(first), str(twin), "--out", str(tmp_path / "out")), first)
+    assert line == f"kvqc: {first}: name: 'int8_token' is built by two schemes"
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_schemes_here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for command in (["build"], ["build", "--check"], ["list"]):
+        line = assert_clean_failure(*run(*command), "schemes/", table=command == ["list"])
+        assert "no *.yaml files here" in line
+
+
+def test_default_name_comes_from_the_file(tmp_path):
+    data = copy.deepcopy(BASE["int8_token"])
+    del data["name"], data["description"]
+    path = tmp_path / "my_int8.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert check_build(path, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["my_int8.py"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad schemes fail cleanly: table-driven, then real processes
+
+def _edit(name: str, old: str, new: str) -> str:
+    text = BASE_TEXT[name]
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+INT8 = "int8_token"
+# case: (file contents, text the error line must contain)
+BAD = {
+    "syntax": (_edit(INT8, "key:\n", "key: [\n"), "invalid YAML: line"),
+    "unknown_field": (BASE_TEXT[INT8] + "colour: blue\n", "colour: unknown field"),
+    "wrong_type": (_edit("turbo_k4v2", "bits: 3", "bits: three"), "key.codebook.bits: expected an integer 1..8, got 'three'"),
+    "out_of_range": (_edit(INT8, "bits: 8}", "bits: 9}"), "key.codebook.bits: expected an integer 1..8, got 9"),
+    "huge_int": (
+        _edit(INT8, "bits: 8}", f"bits: {2**200}}}"),
+        f"key.codebook.bits: expected an integer 1..8, got {str(2**200)[:37]}...",
+    ),
+    "float": (_edit(INT8, "bits: 8}", "bits: 8.0}"), "got 8.0"),
+    "combination": (
+        _edit(INT8, "scale: minmax", "scale: norm"),
+        "key.scale: codebook kind uniform is an affine grid and needs scale: minmax",
+    ),
+    "residual_overflow": (
+        _edit("turbo_qjl_k3v3", "bits: 2,", "bits: 8,"),
+        "key.codebook.bits: 8 bits plus a 1-bit residual exceed 8 bits per coordinate",
+    ),
+    "duplicate_key": (BASE_TEXT[INT8] + "version: 1\n", "duplicate key 'version'"),
+    "anchor_alias": (
+        _edit(INT8, "key:\n  scale: minmax", "key:\n  scale: &s minmax").replace("value:\n  scale: minmax", "value:\n  scale: *s"),
+        "YAML anchors and aliases are not allowed",
+    ),
+    "too_large": (BASE_TEXT[INT8] + "#" * MAX_FILE_BYTES + "\n", f"file is larger than {MAX_FILE_BYTES} bytes"),
+    "too_deep": (_edit(INT8, "bits: 8}", "bits: " + "[" * 40 + "]" * 40 + "}"), f"nesting deeper than {MAX_DEPTH} levels"),
+    "non_utf8": (BASE_TEXT[INT8].encode().replace(b"Per-token", b"Per\xc3\x28token"), "not UTF-8 text"),
+    "unicode_key": (_edit(INT8, "name:", "n\u0430me:"), "n\u0430me: unknown field; did you mean 'name'?"),  # Cyrillic a
+    "zero_width": (_edit(INT8, "version: 1", "version\u200b: 1"), "unknown field; did you mean 'version'?"),
+    "fullwidth_digit": (_edit(INT8, "bits: 8}", "bits: \uff18}"), "got '\uff18'"),
+    "name_injection": (
+        _edit(INT8, "name: int8_token", 'name: "x\\nimport os"'),
+        "name: expected a lowercase identifier like turbo_k4v2 ([a-z][a-z0-9_]*), got 'x\\nimport os'",
+    ),
+    "kind_injection": (
+        _edit("turbo_k4v2", "law: gaussian", "law: \"gaussian\\n__import__('os')\""),
+        "key.codebook.law: expected one of gaussian, sphere",
+    ),
+    "python_tag": (
+        _edit(INT8, "bits: 8}", "bits: !!python/object/apply:os.system [echo pwned]}"),
+        "could not determine a constructor",
+    ),
+    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, got None"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_scheme_fails_cleanly(tmp_path, case):
+    text, expected = BAD[case]
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+    out = seeded_out(tmp_path, "int8_token")
+    before = snapshot(out)
+    line = assert_clean_failure(*run("build", str(path), "--out", str(out)), path)
+    assert expected in line, line
+    assert snapshot(out) == before
+    assert not check_build(path, out)
+    # Every other command reports the same line.
+    assert assert_clean_failure(*run("build", "--check", str(path), "--out", str(out)), path) == line
+    assert assert_clean_failure(*run("explain", str(path)), path) == line
+    assert assert_clean_failure(*run("list", str(path)), path, table=True) == line
+
+
+SUBPROCESS_BAD = ["syntax", "non_utf8", "name_injection"]  # each process pays the imports (~1.5 s with torch)
+
+
+def test_bad_scheme_in_a_real_process(tmp_path):
+    """`python -m kvqc.cli build bad.yaml --out DIR`: status 2, one stderr line, no traceback, nothing written."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = seeded_out(tmp_path, "turbo_k4v2")
+    before = snapshot(out)
+    for case in SUBPROCESS_BAD:
+        text, expected = BAD[case]
+        bad = tmp_path / f"{case}.yaml"
+        bad.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvqc.cli", "build", str(bad), "--out", str(out)],
+            cwd=tmp_path, env=env, capture_output=True, timeout=120,
+        )
+        err = proc.stderr.decode("utf-8")
+        assert proc.returncode == 2, (case, proc.returncode, err)
+        assert proc.stdout == b""
+        assert err.count("\n") == 1 and err.endswith("\n") and "\r" not in err, (case, err)
+        assert err.startswith(f"kvqc: {bad}: ") and expected in err, (case, err)
+        assert "Traceback" not in err
+        assert snapshot(out) == before
+    # And a good build from a real process: exit 0, the committed bytes.
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvqc.cli", "build", str(SCHEME_DIR / "turbo_k4v2.yaml"), "--out", str(tmp_path / "new")],
+        cwd=tmp_path, env={**env, "PYTHONHASHSEED": "12345"}, capture_output=True, timeout=120,
+    )
+    assert (proc.returncode, proc.stderr) == (0, b""), proc.stderr.decode()
+    expected = codegen.render(load_scheme(SCHEME_DIR / "turbo_k4v2.yaml")).encode()
+    assert snapshot(tmp_path / "new") == {"turbo_k4v2.py": expected}
+
+
+@pytest.mark.parametrize("payload", INJECTIONS)
+def test_injection_in_name_is_refused(tmp_path, payload):
+    data = copy.deepcopy(BASE["turbo_k4v2"])
+    data["name"] = payload
+    path = tmp_path / "inj.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    line = assert_clean_failure(*run("build", str(path), "--out", str(tmp_path / "out")), path)
+    assert line.startswith(f"kvqc: {path}: name: expected a lowercase identifier")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("payload", INJECTIONS)
+def test_injection_in_description_never_reaches_the_source(tmp_path, payload):
+    data = copy.deepcopy(BASE["turbo_qjl_k3v3"])
+    data["description"] = payload
+    path = tmp_path / "inj.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    assert check_build(path, tmp_path / "out")
+    source = (tmp_path / "out" / "turbo_qjl_k3v3.py").read_text()
+    assert all(marker not in source for marker in MARKERS)
+    # The module does not depend on the description: it is the shipped scheme's but for the hash in its header.
+    shipped = load_scheme(SCHEME_DIR / "turbo_qjl_k3v3.yaml")
+    assert source == codegen.render(shipped).replace(shipped.content_hash, load_scheme(path).content_hash)
+
+
+@pytest.mark.parametrize("field", ["key.codebook.law", "key.scale", "value.rotation", "key.residual", "value.packing", "head_dims"])
+def test_injection_in_other_string_fields_is_refused(tmp_path, field):
+    data = copy.deepcopy(BASE["turbo_qjl_k3v3"])
+    node = data
+    *parents, last = field.split(".")
+    for k in parents:
+        node = node[k]
+    node[last] = INJECTIONS[1]
+    path = tmp_path / "inj.yaml"
+    path.write_text(yaml.safe_dump(data))
+    line = assert_clean_failure(*run("build", str(path), "--out", str(tmp_path / "out")), path)
+    assert line.startswith(f"kvqc: {path}: {field}"), line  # the field is named
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fuzz: mutations of the shipped schemes build or fail cleanly
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, -1, 9, 255, 256, 2**31, 2**32 - 1, 2**32, 2**63, -(2**63), 2**64, 10**30, 10**300])
+    | st.floats()
+    | st.text(max_size=16)
+    | st.sampled_from(INJECTIONS)
+    | st.sampled_from(["none", "hadamard", "norm", "minmax", "lloyd_max", "uniform", "sign", "qjl"])
+    | st.sampled_from(["split", "interleaved", "gaussian", "sphere", "token", "channel"])
+)
+# Line breaks are left out of keys here; test_fixed_bug_* covers them (keys that are not identifiers are quoted).
+_KEYS = st.text(st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=12) | st.sampled_from(
+    ["kind", "bits", "law", "seed", "signs", "axis", "centroids", "scale", "codebook", "residual", "rotation", "packing", "name", "<<"]
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(_KEYS | st.integers(0, 3) | st.none() | st.booleans(), c, max_size=4),
+    max_leaves=10,
+)
+# Values a field could legally hold (or nearly): they make many mutants build, exercising the success path.
+_LEGAL = {
+    "bits": st.integers(1, 8),
+    "law": st.sampled_from(["gaussian", "sphere"]),
+    "kind": st.sampled_from(["none", "hadamard", "norm", "minmax", "lloyd_max", "uniform", "sign", "qjl"]),
+    "rotation.kind": st.sampled_from(["none", "hadamard"]),
+    "scale.kind": st.sampled_from(["norm", "minmax"]),
+    "codebook.kind": st.sampled_from(["lloyd_max", "uniform"]),
+    "residual.kind": st.sampled_from(["none", "sign", "qjl"]),
+    "packing": st.sampled_from(["interleaved", "split"]),
+    "signs": st.booleans(),
+    "seed": st.integers(0, 2**32 - 1),
+    "rotation": st.sampled_from(["none", "hadamard", {"kind": "hadamard", "signs": True, "seed": 5}]),
+    "residual": st.sampled_from(["none", "sign", "qjl", {"kind": "qjl", "seed": 3}]),
+    "scale": st.sampled_from(["norm", "minmax", {"kind": "norm", "axis": "token"}]),
+    "head_dims": st.lists(st.sampled_from(SUPPORTED_HEAD_DIMS), min_size=1, max_size=5, unique=True),
+    "description": st.text(max_size=80) | st.sampled_from(INJECTIONS) | st.sampled_from(['"""', "'''", "\\", "{{ x }}", "é" * 50]),
+    "name": st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True) | st.sampled_from(INJECTIONS),
+}
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+@st.composite
+def mutants(draw):
+    """(base name, mutated data, top-level fields an error may name, or None when any field may be named)."""
+    name = draw(st.sampled_from(SCHEMES))
+    data = copy.deepcopy(BASE[name])
+    sections: set[str] | None = set()
+    for _ in range(draw(st.sampled_from([1, 1, 2, 3]))):
+        paths = list(_paths(data))
+        named = [p for p in paths if p and isinstance(p[-1], str)]  # mostly fields, sometimes list items or the root
+        path = draw(st.sampled_from(named if named and draw(st.integers(0, 4)) else paths))
+        op = draw(st.sampled_from(["legal", "legal", "legal", "remove", "remove", "rename", "retype", "wrap", "deepen"]))
+        if not path:
+            if op in ("legal", "remove", "rename"):
+                continue
+            data = draw(_VALUES)
+            sections = None
+            continue
+        parent = data
+        for k in path[:-1]:
+            parent = parent[k]
+        key = path[-1]
+        if sections is not None:
+            sections.add(str(path[0]))
+        if op == "legal":
+            names = [k for k in path if isinstance(k, str)]
+            field = names[-1] if names else ""
+            context = ".".join(names[-2:])
+            parent[key] = draw(_LEGAL.get(context, _LEGAL.get(field, _VALUES)))
+        elif op == "remove":
+            del parent[key]
+        elif op == "rename" and isinstance(parent, dict):
+            new = draw(_KEYS)
+            parent[new] = parent.pop(key)
+            if len(path) == 1 and new == "<<":
+                sections = None  # a YAML merge key: the renamed mapping's fields land at the top level
+            elif sections is not None and len(path) == 1:
+                sections.add(new)
+        elif op == "wrap":
+            parent[key] = draw(st.sampled_from([[parent[key]], {"kind": parent[key]}, {"x": parent[key]}]))
+        elif op == "deepen":
+            value = parent[key]
+            for _ in range(draw(st.integers(1, 12))):
+                value = [value] if draw(st.booleans()) else {"kind": value}
+            parent[key] = value
+        else:
+            parent[key] = draw(_VALUES)
+        if not isinstance(data, dict):
+            sections = None
+    # Known bug, tested on its own below: integral floats pass the head_dims check and may crash the renderer.
+    head_dims = data.get("head_dims") if isinstance(data, dict) else None
+    assume(not (isinstance(head_dims, list) and any(type(d) is float for d in head_dims)))
+    return name, data, sections
+
+
+@FUZZ
+@given(case=mutants(), flow=st.sampled_from([False, None, True]), unicode=st.booleans())
+def test_mutated_schemes_build_or_fail_cleanly(case, flow, unicode):
+    name, data, sections = case
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, allow_unicode=unicode)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mutant.yaml"
+        path.write_text(text, encoding="utf-8")
+        event("built" if check_build(path, seeded_out(Path(tmp), name), sections=sections) else "refused")
+
+
+@settings(max_examples=5 * settings.default.max_examples)
+@given(data=scheme_specs(), flow=st.sampled_from([False, None, True]))
+def test_any_legal_scheme_builds_imports_and_embeds_itself(data, flow):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "legal.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, allow_unicode=True), encoding="utf-8")
+        assert check_build(path, Path(tmp) / "out")
+
+
+_KEY_LINE = re.compile(r"\s*(?:version|name|description|head_dims|key|value|rotation|scale|codebook|residual|packing):")
+
+
+def _key_lines(text: str, *, inline_value: bool = False) -> list[int]:
+    """Lines holding a block-mapping entry (optionally only those with a scalar value on the same line)."""
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        m = _KEY_LINE.match(line)
+        if m and (not inline_value or line[m.end():].strip() not in ("", ">", "|")):
+            out.append(i)
+    return out
+
+
+@st.composite
+def raw_mutants(draw):
+    """Text-level damage a dict cannot express: duplicates, anchors, syntax, size, depth, bytes, unicode."""
+    name = draw(st.sampled_from(SCHEMES))
+    text = BASE_TEXT[name]
+    lines = text.splitlines(keepends=True)
+    kind = draw(st.sampled_from(["duplicate", "anchor", "alias", "insert", "truncate", "large", "deep", "bytes", "unicode", "bom"]))
+    expected = None
+    if kind == "duplicate":
+        i = draw(st.sampled_from(_key_lines(text)))
+        lines.insert(i, _KEY_LINE.match(lines[i]).group(0) + " 1\n")  # before: the original may open a block
+        text, expected = "".join(lines), "duplicate key"
+    elif kind in ("anchor", "alias"):
+        i = draw(st.sampled_from(_key_lines(text, inline_value=kind == "alias")))
+        head = _KEY_LINE.match(lines[i]).group(0)
+        rest = lines[i][len(head):]
+        lines[i] = f"{head} &a{rest}" if kind == "anchor" else f"{head} *a\n"
+        text, expected = "".join(lines), "anchors and aliases"
+    elif kind == "insert":
+        at = draw(st.integers(0, len(text)))
+        # No backslash: a quoted "\n" escape could make a key with a line break (the open bug tested below).
+        junk = draw(st.text(st.sampled_from(list(":{}[],'\"-?!&*%@`|>#\t \n\x7f\x0b")), min_size=1, max_size=4))
+        text = text[:at] + junk + text[at:]
+    elif kind == "truncate":
+        text = text[: draw(st.integers(0, len(text)))]
+    elif kind == "large":
+        text, expected = text + "#" * draw(st.integers(MAX_FILE_BYTES, 2 * MAX_FILE_BYTES)) + "\n", "larger than"
+    elif kind == "deep":
+        n = draw(st.integers(MAX_DEPTH, 200))
+        text, expected = text + "extra: " + "[" * n + "]" * n + "\n", "nesting deeper"
+    elif kind == "bytes":
+        raw = text.encode()
+        at = draw(st.integers(0, len(raw)))
+        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xe9", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]))
+        return name, raw[:at] + bad + raw[at:], "not UTF-8 text"
+    elif kind == "unicode":
+        at = draw(st.integers(0, len(text)))
+        odd = draw(st.sampled_from(["\u200b", "\u202e", "\ufeff", "\u0430", "\u0301", "\u2028", "\x85", "\U0001f600"]
+                                   + ["\uff18", "\u00a0", "\x1b", "\x00"]))
+        text = text[:at] + odd + text[at:]
+    else:
+        text = "\ufeff" + text
+    return name, text.encode("utf-8", "surrogatepass"), expected
+
+
+@FUZZ
+@given(case=raw_mutants())
+def test_damaged_files_build_or_fail_cleanly(case):
+    name, raw, expected = case
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "damaged.yaml"
+        path.write_bytes(raw)
+        out = seeded_out(Path(tmp), name)
+        built = check_build(path, out)
+        event("built" if built else "refused")
+        if expected is not None:
+            assert not built
+            with pytest.raises(SchemeError) as info:
+                load_scheme(path)
+            assert expected in info.value.message and info.value.field == ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# list and explain
+
+BYTES_128 = {"int4_token": 136, "int8_token": 264, "turbo_k4mse_v2": 100, "turbo_k4v2": 102, "turbo_qjl_k3v3": 102}
+
+
+def test_list_prints_one_line_per_scheme(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    status, out, err = run("list")
+    assert (status, err) == (0, "")
+    header, *rows = out.splitlines()
+    assert "scheme" in header and "bytes/token" in header and "head_dim 128" in header
+    assert [row.split()[0] for row in rows] == SCHEMES
+    for row in rows:
+        name, kbits, vbits, nbytes, ratio = row.split()
+        scheme = load_scheme(SCHEME_DIR / f"{name}.yaml")
+        assert (float(kbits), float(vbits)) == pytest.approx(scheme.bits_per_coordinate(128), abs=5e-4)
+        assert int(nbytes) == BYTES_128[name]
+        assert float(ratio[:-1]) == pytest.approx(512 / BYTES_128[name], abs=5e-3)
+
+
+def test_list_other_head_dims(tmp_path):
+    paths = [str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES]
+    status, out, _ = run("list", *paths, "--head-dim", "64")
+    assert status == 0 and len(out.splitlines()) == 1 + len(SCHEMES)
+    assert [r.split()[3] for r in out.splitlines()[1:]] == ["72", "136", "52", "54", "54"]
+    status, out, _ = run("list", *paths, "--head-dim", "96")
+    rows = out.splitlines()[1:]
+    assert status == 0 and len(rows) == len(SCHEMES) and all("not built for head_dim 96" in r for r in rows)
+
+
+def test_explain_turbo_k4v2(capsys):
+    assert main(["explain", str(SCHEME_DIR / "turbo_k4v2.yaml")]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith("turbo_k4v2: K: normalized Walsh-Hadamard rotation")
+    assert "head_dims: [64, 128, 256]; shown for head_dim 128" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and "_" in line.split()[0]}
+    assert rows["key_codes"][1:7] == ["uint8", "[num_blocks,", "B,", "H,", "64]", "4"]
+    assert rows["key_meta"][1:6] == ["fp16", "[num_blocks,", "B,", "H,", "2]"] and out.count("norm, residual_rms") == 1
+    assert rows["value_codes"][5:7] == ["32]", "2"]
+    assert rows["value_meta"][5] == "1]"
+    assert "bytes per token and KV head: 102 (fp16 K+V: 512), 5.02x smaller" in out
+    assert "kernels:" in out and "fill" in out and "flatten" in out and "decode" in out
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_explain_bytes_per_token(capsys, name, head_dim):
+    assert main(["explain", str(SCHEME_DIR / f"{name}.yaml"), "--head-dim", str(head_dim)]) == 0
+    out = capsys.readouterr().out
+    scheme = load_scheme(SCHEME_DIR / f"{name}.yaml")
+    # From first principles: codes at code_bits per coordinate, plus 2 bytes per metadata value, K and V.
+    expected = sum(t.code_bits * head_dim // 8 + 2 * len(t.metadata) for t in (scheme.key, scheme.value))
+    assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * head_dim})" in out
+    assert f"shown for head_dim {head_dim}" in out
+    for side in ("key", "value"):
+        assert out.count(f"  {side}_codes  uint8") == 1 and out.count(f"  {side}_meta   fp16") == 1
+
+
+def test_explain_unsupported_head_dim_falls_back(capsys):
+    assert main(["explain", str(SCHEME_DIR / "turbo_k4v2.yaml"), "--head-dim", "96"]) == 0
+    assert "shown for head_dim 256" in capsys.readouterr().out
+
+
+def test_explain_without_description(tmp_path, capsys):
+    data = copy.deepcopy(BASE["int8_token"])
+    del data["description"]
+    path = tmp_path / "int8_token.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["explain", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("int8_token: (no description)\n")
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in ([], ["frobnicate"], ["list", "--head-dim", "x"], ["explain"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bugs found by these tests and fixed: each stays as a regression test.
+
+_CLEAN = "a bad scheme must exit 2 with one stderr line"
+
+
+def _bug(old: str, new: str, name: str, raises: type[BaseException], reason: str):
+    return pytest.param(old, new, id=name)  # once raised `raises`: {reason}
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        _bug("head_dims: [64, 128, 256]", "head_dims: [64.0, 128]", "float-head-dims-sphere-law", ValueError,
+             "head_dims [64.0] is accepted, then lloyd_max() raises ValueError in render"),
+        _bug("bits: 2,", "bits: 0x" + "f" * 4000 + ",", "huge-hex-int", ValueError,
+             "repr() of a >4300-digit int in spec._show raises ValueError"),
+        _bug("bits: 2,", "bits: 1" + "0" * 4400 + ",", "huge-decimal-int", ValueError,
+             "PyYAML's int() raises ValueError (not YAMLError) past 4300 digits"),
+        _bug("version: 1", 'version: 1\n"colour\\nimport os": 1', "newline-in-unknown-key", AssertionError,
+             "the unknown key is printed raw, so the error spans two lines"),
+    ],
+)
+def test_fixed_bugs_in_build(tmp_path, old, new):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE_TEXT["turbo_qjl_k3v3"].replace(old, new, 1))
+    assert check_build(path, seeded_out(tmp_path, "turbo_qjl_k3v3")) is False, _CLEAN
+
+
+def test_fixed_bug_huge_int_centroid(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE_TEXT["turbo_k4v2"].replace("2.1519456]", "1" + "0" * 400 + "]", 1))
+    assert check_build(path, seeded_out(tmp_path, "turbo_k4v2")) is False
+
+
+def test_fixed_bug_out_is_a_file(tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+    status, out, err = run("build", str(SCHEME_DIR / "int8_token.yaml"), "--out", str(tmp_path / "out"))
+    assert status == 2 and err.count("\n") == 1
+
+
+def test_fixed_bug_explain_surrogate_description(tmp_path):
+    path = tmp_path / "int8_token.yaml"
+    path.write_text(BASE_TEXT["int8_token"].replace("description: Per-token", 'description: "\\ud800" #', 1))
+    assert check_build(path, tmp_path / "out")  # build itself is fine: the description never reaches the source
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # a real stdout, which cannot encode a surrogate
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["explain", str(path)]) in (0, 2)

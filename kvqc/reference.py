@@ -188,7 +188,7 @@ class Reference:
             return torch.zeros(0, codes.shape[1], cache.head_dim, dtype=torch.float64)
         position = torch.arange(seq_len)
         slots = block_table.cpu().to(torch.int64)[position // block_size] * block_size + position % block_size
-        c, m = codes.cpu()[slots], meta.cpu()[slots]
+        c, m = codes[slots.to(codes.device)].cpu(), meta[slots.to(meta.device)].cpu()  # gather, then copy
         h = c.shape[1]
         x = self.dequantize(name, c.reshape(seq_len * h, -1), m.reshape(seq_len * h, -1), cache.head_dim)
         return x.view(seq_len, h, cache.head_dim)

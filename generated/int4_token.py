@@ -214,6 +214,7 @@ def _flatten_kernel(
 
     num_blocks,
     stride_block_table,
+    max_blocks_per_seq,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -233,7 +234,7 @@ def _flatten_kernel(
     if tl.program_id(1) * BLOCK_T >= seq_len:
         return
     in_seq = position < seq_len
-    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq, other=-1)
+    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
@@ -313,6 +314,7 @@ def _decode_kernel(
     sm_scale_log2,
     num_blocks,
     stride_block_table,
+    max_blocks_per_seq,
     num_splits,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -363,7 +365,7 @@ def _decode_kernel(
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
         position = start + offset + tl.arange(0, BLOCK_N)
         in_seq = position < end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq, other=-1)
+        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
         valid = in_seq & (block >= 0) & (block < num_blocks)
         row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
 
@@ -636,6 +638,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
 
         cache.num_blocks,
         block_tables.stride(0),
+        block_tables.shape[1],
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
@@ -669,8 +672,8 @@ def decode(
         if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
-    if batch == 0:
-        return torch.empty_like(query)
+    if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
+        return torch.zeros_like(query)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     tables = _tables(head_dim, cache.device)
@@ -705,6 +708,7 @@ def decode(
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         cache.num_blocks,
         block_tables.stride(0),
+        block_tables.shape[1],
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,

@@ -63,49 +63,11 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _interleave_zeros(x):
-    """[R, C] -> [R, 2C] with x in the even columns and zeros in the odd ones."""
-    return tl.reshape(tl.join(x, tl.zeros_like(x)), [x.shape[0], 2 * x.shape[1]])
-
-
-@triton.jit
-def _even_columns(x):
-    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-    return even
-
-
-@triton.jit
 def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation on tensor cores (a has at least 16 rows everywhere it is called).
-
-    tl.dot needs inner and outer dimensions of at least 16; narrower chunks are zero-padded by interleaving
-    zeros, which leaves the product unchanged, and the padding columns of the result are dropped again.
-    """
-    K: tl.constexpr = a.shape[1]
-    N: tl.constexpr = b.shape[1]
-    if K < 16:
-        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
-    if K < 8:
-        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
-    if K < 4:
-        a, b = _interleave_zeros(a), tl.trans(_interleave_zeros(tl.trans(b)))
-    if N < 16:
-        b = _interleave_zeros(b)
-    if N < 8:
-        b = _interleave_zeros(b)
-    if N < 4:
-        b = _interleave_zeros(b)
+    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        out = tl.dot(a, b, input_precision=PRECISION)
-    else:
-        out = tl.dot(a, b)
-    if N < 4:
-        out = _even_columns(out)
-    if N < 8:
-        out = _even_columns(out)
-    if N < 16:
-        out = _even_columns(out)
-    return out
+        return tl.dot(a, b, input_precision=PRECISION)
+    return tl.dot(a, b)
 
 
 @triton.jit

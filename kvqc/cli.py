@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
         bench.add_arguments(p)
         p.set_defaults(run=bench.run)
+    p = sub.add_parser("eval", help="a real language model with each scheme's cache: perplexity, greedy agreement")
+    if argv[:1] == ["eval"]:  # eval imports transformers, and may set TRITON_INTERPRET before triton loads
+        from . import eval as evaluation
+
+        evaluation.add_arguments(p)
+        p.set_defaults(run=evaluation.run)
     p = sub.add_parser("explain", help="a scheme's cache layout and kernels")
     p.add_argument("scheme")
     p.add_argument("--head-dim", type=int, default=128)

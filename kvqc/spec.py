@@ -367,9 +367,16 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
     )
     for side in ("key", "value"):
         t: TensorScheme = getattr(scheme, side)
-        per_byte = 8 // min(b for b in (1, 2, 4, 8) if t.code_bits & b)  # the narrowest plane's codes per byte
-        if any(d % per_byte for d in scheme.head_dims):
-            f.fail("head_dims", f"every head_dim must be a multiple of {per_byte} for {side}'s packing")
+        # Kernels unpack one byte field per column chunk of head_dim * (narrowest plane width) / 8 columns, and
+        # tl.dot needs chunks of 16 or more (a zero-padded 8-column path was wrong when compiled on an H200).
+        narrowest = min(b for b in (1, 2, 4, 8) if t.code_bits & b)
+        too_small = [d for d in scheme.head_dims if d * narrowest // 8 < 16]
+        if too_small:
+            f.fail(
+                "head_dims",
+                f"{side}'s {t.code_bits}-bit codes need head_dim >= {128 // narrowest} (a {narrowest}-bit plane); "
+                f"remove {too_small}",
+            )
     return scheme
 
 

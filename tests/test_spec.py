@@ -317,6 +317,7 @@ def test_one_packing_needs_whole_codes_per_byte(bits):
     for packing in ("interleaved", "split"):
         data = copy.deepcopy(BASE["int8_token"])
         data["key"].update(codebook={"kind": "uniform", "bits": bits}, packing=packing)
+        data["head_dims"] = [128, 256]  # wide enough for any code width's chunks: only the packing rule may refuse
         try:
             scheme_from_dict(data, "p.yaml")
         except SchemeError as exc:
@@ -327,6 +328,16 @@ def test_one_packing_needs_whole_codes_per_byte(bits):
         assert list(refused) == [p for p in ("interleaved", "split") if p != DEFAULT_PACKING]
         exc = next(iter(refused.values()))
         assert exc.field == "key.packing" and f"packing needs 1, 2, 4 or 8 code bits, got {bits}" in exc.message
+    # At the default head_dims (64 included) the default packing still refuses codes with a 1-bit plane, on head_dims.
+    data = copy.deepcopy(BASE["int8_token"])
+    data["key"]["codebook"] = {"kind": "uniform", "bits": bits}
+    if bits % 2:
+        with pytest.raises(SchemeError) as info:
+            scheme_from_dict(data, "p.yaml")
+        assert info.value.field == "head_dims"
+        assert info.value.message == f"key's {bits}-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"
+    else:
+        assert scheme_from_dict(data, "p.yaml").head_dims == (64, 128, 256)
 
 
 def test_longest_name_is_accepted():
@@ -488,15 +499,38 @@ def tensor_specs(draw):
     return out
 
 
+def _min_head_dim(tensor: dict) -> int:
+    """The smallest head_dim a tensor spec allows: its narrowest bit plane must give 16-column chunks."""
+    residual = tensor.get("residual", "none")
+    residual = residual["kind"] if isinstance(residual, dict) else residual
+    bits = tensor["codebook"]["bits"] + (residual != "none")
+    return 128 // min(b for b in (1, 2, 4, 8) if bits & b)
+
+
 @st.composite
 def scheme_specs(draw):
     data: dict = {"version": 1, "name": draw(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True))}
     if draw(st.booleans()):
         data["description"] = draw(st.text(max_size=60))
-    if draw(st.booleans()):
-        data["head_dims"] = draw(st.lists(st.sampled_from(SUPPORTED_HEAD_DIMS), min_size=1, unique=True))
     data["key"], data["value"] = draw(tensor_specs()), draw(tensor_specs())
+    lowest = max(_min_head_dim(data["key"]), _min_head_dim(data["value"]))
+    if draw(st.booleans()) or lowest > min(spec.DEFAULT_HEAD_DIMS):
+        allowed = [d for d in SUPPORTED_HEAD_DIMS if d >= lowest]
+        data["head_dims"] = draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
     return data
+
+
+def test_narrow_chunks_are_refused():
+    data = copy.deepcopy(BASE["turbo_k4v2"])
+    # K's codebook becomes V's 2-bit one (4 centroids): 2 + the sign bit = 3-bit codes, whose 1-bit plane gives
+    # 8-column chunks at head_dim 64.
+    data["key"]["codebook"] = copy.deepcopy(data["value"]["codebook"])
+    with pytest.raises(SchemeError) as info:
+        scheme_from_dict(data, "n.yaml")
+    assert info.value.field == "head_dims"
+    assert info.value.message == "key's 3-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"
+    data["head_dims"] = [128, 256]
+    assert scheme_from_dict(data, "n.yaml").head_dims == (128, 256)
 
 
 @FUZZ

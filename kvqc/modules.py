@@ -1,0 +1,127 @@
+"""Load a generated module from a scheme name, a generated .py file or a scheme .yaml.
+
+    kv = kvqc.modules.load("turbo_k4v2")                 # generated/turbo_k4v2.py of this checkout
+    kv = kvqc.modules.load("path/to/generated/x.py")     # any generated module
+    kv = kvqc.modules.load("my_scheme.yaml")             # rendered on the fly into the cache directory
+
+A .yaml is validated and rendered with kvqc.codegen.render, then written once to
+`$KVQC_CACHE_DIR/<name>-<sha256 of the source, 12 hex>.py` (default `~/.cache/kvqc`): Triton reads a kernel's
+source back from its file, so a module must live in a real file. Modules are imported by file path (never by
+package name) and cached: a second load of the same file returns the same module object.
+
+Whether Triton compiles or interprets a module's kernels is fixed when the module is imported (`TRITON_INTERPRET`
+is read as the kernels are decorated, and the module records it in `_INTERPRET`), so the cache is keyed on that
+setting too: setting TRITON_INTERPRET=1 later and loading again gives a fresh, interpreted instance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from .spec import NAME_RE
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ROOT / "generated"
+SCHEMES = ROOT / "schemes"
+
+_lock = threading.Lock()
+_loaded: dict[tuple[Path, bool], ModuleType] = {}
+
+
+def cache_dir() -> Path:
+    """Where modules rendered from a .yaml are written: $KVQC_CACHE_DIR, else ~/.cache/kvqc."""
+    return Path(os.environ.get("KVQC_CACHE_DIR") or Path.home() / ".cache" / "kvqc").expanduser()
+
+
+def interpreting() -> bool:
+    """Whether modules imported now get interpreted kernels (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_library_interpreted() -> bool | None:
+    """Whether the imported triton decorated its own library (tl.min, ...) for the interpreter; None: not imported.
+
+    Triton reads TRITON_INTERPRET when it decorates a function, and its language library is decorated when triton
+    is first imported: a generated module can only run under the interpreter if that import happened with
+    TRITON_INTERPRET=1 too (and only compiled if it happened without).
+    """
+    if "triton" not in sys.modules:
+        return None
+    try:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # a triton without these internals: trust the environment
+        return interpreting()
+    return isinstance(standard.max, InterpretedFunction)
+
+
+def resolve(scheme: str | Path) -> Path:
+    """The generated .py file for a scheme name, a .py path or a .yaml path (rendering the .yaml if needed)."""
+    text = str(scheme)
+    path = Path(text).expanduser()
+    if path.suffix in (".yaml", ".yml"):
+        return _render(path)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise FileNotFoundError(f"{text}: no such generated module")
+        return path.resolve()
+    if isinstance(scheme, Path) or os.sep in text or (os.altsep and os.altsep in text):
+        raise ValueError(f"{text}: expected a scheme name, a generated .py file or a scheme .yaml file")
+    if not NAME_RE.match(text):
+        raise ValueError(f"{text!r}: not a scheme name ([a-z][a-z0-9_]*), a .py file or a .yaml file")
+    target = GENERATED / f"{text}.py"
+    if not target.is_file():
+        known = sorted(p.stem for p in GENERATED.glob("*.py") if p.stem != "__init__")
+        hint = f"; run `kvqc build {SCHEMES / (text + '.yaml')}`" if (SCHEMES / f"{text}.yaml").is_file() else ""
+        raise FileNotFoundError(f"{text}: no generated module {target}{hint} (generated: {', '.join(known) or 'none'})")
+    return target.resolve()
+
+
+def _render(path: Path) -> Path:
+    from .codegen import render, write_atomic
+    from .spec import load_scheme
+
+    scheme = load_scheme(path)  # raises SchemeError (one line) for a bad file
+    source = render(scheme)
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:12]
+    target = cache_dir() / f"{scheme.name}-{digest}.py"
+    try:
+        current = target.read_text(encoding="utf-8") if target.is_file() else None
+    except OSError:
+        current = None
+    if current != source:
+        write_atomic(target, source)
+    return target.resolve()
+
+
+def load(scheme: str | Path) -> ModuleType:
+    """Import the generated module for `scheme` (a name, a generated .py or a scheme .yaml), once per file."""
+    path = resolve(scheme)
+    key = (path, interpreting())
+    with _lock:
+        module = _loaded.get(key)
+        if module is None:
+            digest = hashlib.sha256(f"{path}|{key[1]}".encode()).hexdigest()[:10]
+            name = f"kvqc_generated_{path.stem.replace('-', '_')}_{digest}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{path}: cannot be imported as a module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses and Triton's source lookup resolve names through sys.modules
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
+            for attr in ("allocate_cache", "fill", "flatten", "decode", "bytes_per_token", "SCHEME"):
+                if not hasattr(module, attr):
+                    sys.modules.pop(name, None)
+                    raise ImportError(f"{path}: not a kvqc generated module (no {attr})")
+            _loaded[key] = module
+        return module

@@ -1,0 +1,590 @@
+"""Run a Hugging Face transformers model (5.x) on a kvqc quantized KV cache.
+
+    import kvqc.transformers as kq                      # registers the "kvqc" attention on import
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=kq.ATTENTION)   # or set_attn_implementation
+    past = kq.cache("turbo_k4v2", model.config, backend="reference")                      # or "triton", "interpreter"
+    out = model.generate(**inputs, past_key_values=past, max_new_tokens=32, do_sample=False)
+
+Each decoder layer owns one paged cache from the generated module's `allocate_cache`, one sequence per batch row.
+New tokens are quantized into it by `fill`; tokens the attention mask marks as padding get slot -1, so they take no
+space and never count in `seq_lens`. Prefill (more than one query token) attends over `flatten`'s dequantized K/V,
+i.e. exactly what the cache holds, with causal masking; decode (one query token) calls the module's paged `decode`
+kernel with the model's softmax scale (grouped-query attention is handled by the kernel). The cache is append-only:
+nothing already stored is ever quantized again.
+
+Backends (no fallback from one to another: the cache's `backend` attribute says which one ran):
+
+    triton       the compiled kernels; needs CUDA and TRITON_INTERPRET unset
+    interpreter  the same kernels under Triton's interpreter on CPU; TRITON_INTERPRET=1 must be set before the
+                 generated module is imported (checked, with a clear error)
+    reference    kvqc's float64 torch oracle (`module.reference`) on the same cache tensors and layout
+
+`layer_schemes` maps a layer index (negative counts from the end) to another scheme for that layer, e.g.
+`{0: "int8_token", 1: "int8_token", -2: "int8_token", -1: "int8_token"}`; the scheme "none" keeps that layer's K/V
+unquantized in the model dtype (same append-only, padding-free layout, plain torch attention).
+
+How the pieces meet: transformers calls the cache's `update` before the attention function and does not pass it the
+attention mask, so `update` only stages the new K/V and tags the returned key tensor with its layer; the "kvqc"
+attention function (which receives the padding mask built by the matching "kvqc" mask function) stores them and
+attends. The model must therefore run with attn_implementation="kvqc" and a cache from `cache()`; either one alone
+raises a clear error rather than attending over the wrong tokens. Supported: decoder-only models whose attention
+modules call `past_key_values.update` and then the AttentionInterface function (Llama, Mistral without sliding
+window, Qwen2/3 and the like). Beam search, cache cropping, sliding-window and cross-attention layers are not
+supported and raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+from . import modules
+
+ATTENTION = "kvqc"
+BACKENDS = ("triton", "interpreter", "reference")
+NONE = "none"  # the scheme name for an unquantized layer
+
+_LAYER_ATTR = "_kvqc_layer"
+_INITIAL_BLOCKS_PER_SEQ = 4
+
+
+# ---------------------------------------------------------------------------------------------------- backends
+
+
+class _Kernels:
+    """fill / flatten / decode of a generated module, compiled or interpreted."""
+
+    def __init__(self, module: ModuleType):
+        self.module = module
+
+    def fill(self, cache, key, value, slots):
+        self.module.fill(cache, key, value, slots)
+
+    def flatten(self, cache, block_tables, seq_lens):
+        return self.module.flatten(cache, block_tables, seq_lens)
+
+    def decode(self, query, cache, block_tables, seq_lens, scale):
+        return self.module.decode(query, cache, block_tables, seq_lens, scale=scale)
+
+
+class _Reference:
+    """The same surface through the module's float64 oracle; outputs come back in the cache's dtype and device."""
+
+    def __init__(self, module: ModuleType):
+        self.module = module
+        self.oracle = module.reference  # a kvqc.reference.Reference bound to the module's embedded scheme
+
+    def fill(self, cache, key, value, slots):
+        self.oracle.fill(cache, key, value, slots)
+
+    def flatten(self, cache, block_tables, seq_lens):
+        k, v = self.oracle.flatten(cache, block_tables, seq_lens)
+        return k.to(device=cache.device, dtype=cache.dtype), v.to(device=cache.device, dtype=cache.dtype)
+
+    def decode(self, query, cache, block_tables, seq_lens, scale):
+        out = self.oracle.decode(query, cache, block_tables, seq_lens, scale=scale)
+        return out.to(device=query.device, dtype=query.dtype)
+
+
+def _check_backend(backend: str, device: torch.device | None) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton":
+        if modules.interpreting() or modules.triton_library_interpreted():
+            raise RuntimeError(
+                "backend 'triton': TRITON_INTERPRET=1 is set (or was when triton was imported), so the kernels would be "
+                "interpreted, not compiled; "
+                "use backend='interpreter' or unset TRITON_INTERPRET"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'triton' needs a CUDA GPU; on CPU use backend='reference' or 'interpreter'")
+        if device is not None and device.type != "cuda":
+            raise ValueError(f"backend 'triton' runs on CUDA tensors, got device {device}")
+    elif backend == "interpreter":
+        if not modules.interpreting() or modules.triton_library_interpreted() is False:
+            raise RuntimeError(
+                "backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is first imported "
+                "(transformers imports it; Triton decides when it decorates kernels): run with "
+                "`TRITON_INTERPRET=1 python ...`, or set os.environ['TRITON_INTERPRET'] = '1' before any import of "
+                "transformers or triton"
+            )
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"backend 'interpreter' runs on CPU tensors, got device {device}")
+
+
+@functools.lru_cache(maxsize=None)
+def _bind(module: ModuleType, backend: str):
+    """One backend object per module and backend, shared by the layers (the oracle builds its tables once)."""
+    if backend == "reference":
+        return _Reference(module)
+    want = backend == "interpreter"
+    if bool(getattr(module, "_INTERPRET", want)) != want:
+        raise RuntimeError(
+            f"{module.__file__}: imported with TRITON_INTERPRET={'1' if module._INTERPRET else 'unset'}, "
+            f"which does not match backend {backend!r}"
+        )
+    return _Kernels(module)
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+
+class _Layer(CacheLayerMixin):
+    """Common bookkeeping: transformers' position count, per-row token counts and the staged update."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, scheme: str, num_kv_heads: int, head_dim: int, *, device, dtype,
+                 max_cache_len: int | None):
+        super().__init__()
+        self.layer_idx, self.scheme = layer_idx, scheme
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.want_device, self.want_dtype = device, dtype
+        self.max_cache_len = max_cache_len
+        self.cumulative_length = 0  # positions transformers has fed, padding included (what masks are sized by)
+        self.seq_lens: list[int] = []  # tokens stored per row, padding excluded
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __repr__(self):
+        return f"{type(self).__name__}(layer={self.layer_idx}, scheme={self.scheme!r}, seq_lens={self.seq_lens})"
+
+    # -- the transformers cache-layer interface
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        if heads != self.num_kv_heads or dim != self.head_dim:
+            raise ValueError(
+                f"layer {self.layer_idx}: got K/V with {heads} heads of {dim}, the config says "
+                f"{self.num_kv_heads} KV heads of {self.head_dim}"
+            )
+        self.device = torch.device(self.want_device) if self.want_device is not None else key_states.device
+        if self.device != key_states.device:
+            raise ValueError(f"layer {self.layer_idx}: cache device {self.device}, K/V on {key_states.device}")
+        self.dtype = self.want_dtype or key_states.dtype
+        self.batch = batch
+        self.seq_lens = [0] * batch
+        self._allocate(batch)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._pending is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous update was never stored; the model must run with "
+                f"attn_implementation={ATTENTION!r} (model.set_attn_implementation({ATTENTION!r})) to use a kvqc cache"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch:
+            raise ValueError(f"layer {self.layer_idx}: batch {key_states.shape[0]}, the cache holds {self.batch} rows")
+        self.cumulative_length += key_states.shape[-2]
+        self._pending = (key_states, value_states)
+        setattr(key_states, _LAYER_ATTR, self)  # the attention function finds its layer through the key tensor
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len if self.max_cache_len is not None else -1
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        self.seq_lens = []
+        self._pending = None
+        self.is_initialized = False
+        self._release()
+
+    def offload(self):
+        pass  # kvqc caches stay where they were allocated
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("kvqc caches do not support beam search (rows would share append-only blocks)")
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("kvqc caches are append-only and cannot be cropped (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("kvqc caches cannot be expanded after prefill (num_return_sequences, beams)")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("kvqc caches cannot select rows after prefill")
+
+    # -- storing and attending, called by the attention function
+
+    def commit(self, keep: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+        """Store the staged K/V; keep [batch, new tokens] bool (None: all real). Returns tokens stored before, keep."""
+        if self._pending is None:
+            raise RuntimeError(f"layer {self.layer_idx}: attention ran without a cache update")
+        key, value = self._pending
+        self._pending = None
+        batch, _, tokens, _ = key.shape
+        keep = torch.ones(batch, tokens, dtype=torch.bool) if keep is None else keep.detach().to("cpu", torch.bool)
+        before = list(self.seq_lens)
+        counts = keep.sum(dim=1).tolist()
+        after = [n + c for n, c in zip(before, counts)]
+        if self.max_cache_len is not None and max(after) > self.max_cache_len:
+            raise ValueError(f"layer {self.layer_idx}: {max(after)} tokens exceed max_cache_len {self.max_cache_len}")
+        self._store(key, value, keep, before, after)
+        self.seq_lens = after
+        return before, keep
+
+    def sequences(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per row, the stored K and V as the model sees them: [seq_len, num_kv_heads, head_dim] each."""
+        raise NotImplementedError
+
+    def decode(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [batch, num_q_heads, head_dim] -> attention over each row's stored tokens, same shape."""
+        raise NotImplementedError
+
+    def _allocate(self, batch: int) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _store(self, key, value, keep, before, after) -> None:
+        raise NotImplementedError
+
+
+class QuantizedLayer(_Layer):
+    """One layer's paged kvqc cache: `cache` (the module's KVCache), `block_tables`, `seq_lens`."""
+
+    def __init__(self, layer_idx: int, scheme: str, module: ModuleType, backend: str, num_kv_heads: int, head_dim: int,
+                 *, device, dtype, block_size: int, max_cache_len: int | None):
+        super().__init__(layer_idx, scheme, num_kv_heads, head_dim, device=device, dtype=dtype,
+                         max_cache_len=max_cache_len)
+        self.module, self.backend, self.block_size = module, backend, block_size
+        self.ops = _bind(module, backend)
+        self.cache = None
+        self._tables: torch.Tensor | None = None  # int64 [batch, blocks per row], on the CPU
+        self._owned: list[int] = []  # blocks assigned per row
+        self._next_block = 0
+        self._device_tables: torch.Tensor | None = None
+
+    def _allocate(self, batch: int) -> None:
+        if self.max_cache_len is not None:
+            per_row = max(1, -(-self.max_cache_len // self.block_size))
+            num_blocks = batch * per_row
+            self._tables = torch.arange(num_blocks, dtype=torch.int64).view(batch, per_row)
+            self._owned = [per_row] * batch
+            self._next_block = num_blocks
+        else:
+            num_blocks = batch * _INITIAL_BLOCKS_PER_SEQ
+            self._tables = torch.zeros(batch, _INITIAL_BLOCKS_PER_SEQ, dtype=torch.int64)
+            self._owned = [0] * batch
+            self._next_block = 0
+        self.cache = self.module.allocate_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                                device=self.device, dtype=self.dtype)
+        self._device_tables = None
+
+    def _release(self) -> None:
+        self.cache = self._tables = self._device_tables = None
+        self._owned, self._next_block = [], 0
+
+    def _grow(self, after: list[int]) -> None:
+        """Give every row enough blocks for `after` tokens, growing the pool (doubling) and the tables."""
+        need = [-(-n // self.block_size) for n in after]
+        extra = sum(max(0, n - o) for n, o in zip(need, self._owned))
+        if not extra:
+            return
+        if self._next_block + extra > self.cache.num_blocks:
+            num_blocks = max(self._next_block + extra, 2 * self.cache.num_blocks)
+            grown = self.module.allocate_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                               device=self.device, dtype=self.dtype)
+            for field in ("key_codes", "key_meta", "value_codes", "value_meta"):
+                getattr(grown, field)[: self.cache.num_blocks].copy_(getattr(self.cache, field))
+            self.cache = grown
+        if max(need) > self._tables.shape[1]:
+            columns = max(max(need), 2 * self._tables.shape[1])
+            self._tables = F.pad(self._tables, (0, columns - self._tables.shape[1]))
+        for row, (n, owned) in enumerate(zip(need, self._owned)):
+            for column in range(owned, n):
+                self._tables[row, column] = self._next_block
+                self._next_block += 1
+            self._owned[row] = max(owned, n)
+        self._device_tables = None
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """int32 [batch, blocks per row] on the cache's device (entries past a row's blocks are 0 and never read)."""
+        if self._device_tables is None:
+            self._device_tables = self._tables.to(device=self.device, dtype=torch.int32)
+        return self._device_tables
+
+    def seq_lens_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
+
+    def _store(self, key, value, keep, before, after) -> None:
+        self._grow(after)
+        batch, heads, tokens, dim = key.shape
+        position = torch.tensor(before, dtype=torch.int64)[:, None] + keep.cumsum(dim=1) - 1
+        position = position.clamp_min(0)
+        block = self._tables.gather(1, position // self.block_size)
+        slots = torch.where(keep, block * self.block_size + position % self.block_size, torch.full_like(block, -1))
+        k = key.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
+        v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
+        self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device))
+
+    def flatten(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's dequantized K and V one after another: [sum(seq_lens), num_kv_heads, head_dim] each."""
+        return self.ops.flatten(self.cache, self.block_tables, self.seq_lens_tensor())
+
+    def sequences(self):
+        k, v = self.flatten()
+        return list(zip(k.split(self.seq_lens), v.split(self.seq_lens)))
+
+    def decode(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.ops.decode(query.contiguous(), self.cache, self.block_tables, self.seq_lens_tensor(), scale)
+
+
+class FullPrecisionLayer(_Layer):
+    """The scheme "none": K/V kept unquantized in the cache dtype, rows padding-free like the quantized layers."""
+
+    backend = "torch"
+
+    def _allocate(self, batch: int) -> None:
+        capacity = self.max_cache_len or 64
+        shape = (batch, self.num_kv_heads, capacity, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+
+    def _release(self) -> None:
+        self.keys = self.values = None
+
+    def _store(self, key, value, keep, before, after) -> None:
+        if max(after) > self.keys.shape[2]:
+            grow = max(max(after), 2 * self.keys.shape[2]) - self.keys.shape[2]
+            self.keys = F.pad(self.keys, (0, 0, 0, grow))
+            self.values = F.pad(self.values, (0, 0, 0, grow))
+        for row, start in enumerate(before):
+            index = keep[row].nonzero().view(-1).to(key.device)
+            n = index.numel()
+            if n:
+                self.keys[row, :, start : start + n] = key[row].index_select(1, index).to(self.dtype)
+                self.values[row, :, start : start + n] = value[row].index_select(1, index).to(self.dtype)
+
+    def sequences(self):
+        return [
+            (self.keys[row, :, :n].transpose(0, 1), self.values[row, :, :n].transpose(0, 1))
+            for row, n in enumerate(self.seq_lens)
+        ]
+
+    def decode(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, q_heads, dim = query.shape
+        longest = max(self.seq_lens) if self.seq_lens else 0
+        out = torch.zeros(batch, q_heads, dim, dtype=query.dtype, device=query.device)
+        if longest == 0:
+            return out
+        group = q_heads // self.num_kv_heads
+        compute = torch.promote_types(query.dtype, torch.float32)
+        k = self.keys[:, :, :longest].to(compute).repeat_interleave(group, dim=1)
+        v = self.values[:, :, :longest].to(compute).repeat_interleave(group, dim=1)
+        lens = torch.tensor(self.seq_lens, device=query.device)
+        valid = torch.arange(longest, device=query.device)[None, :] < lens[:, None]  # [batch, longest]
+        o = F.scaled_dot_product_attention(
+            query.to(compute)[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale
+        )[:, :, 0]
+        return torch.where((lens > 0)[:, None, None], o, torch.zeros_like(o)).to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- the cache
+
+
+class KVQCCache(Cache):
+    """A transformers Cache of kvqc layers. `backend`, `schemes` (per layer) and `describe()` say what runs."""
+
+    def __init__(self, layers: list[_Layer], backend: str):
+        super().__init__(layers=layers)
+        self.backend = backend
+
+    @property
+    def schemes(self) -> list[str]:
+        return [layer.scheme for layer in self.layers]
+
+    def describe(self) -> dict[str, Any]:
+        quantized = [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        return {
+            "backend": self.backend if quantized else "torch (no quantized layer)",
+            "layer_schemes": self.schemes,
+            "quantized_layers": len(quantized),
+            "block_size": quantized[0].block_size if quantized else None,
+        }
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _scheme_label(scheme: str | Path) -> str:
+    text = str(scheme)
+    return text if text == NONE else (Path(text).stem if text.endswith((".py", ".yaml", ".yml")) else text)
+
+
+def cache(
+    scheme: str | Path,
+    config,
+    *,
+    backend: str,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    block_size: int = 16,
+    max_cache_len: int | None = None,
+    layer_schemes: dict[int, str | Path] | None = None,
+) -> KVQCCache:
+    """A kvqc cache for a model with `config`: pass it as `past_key_values` with attn_implementation="kvqc".
+
+    scheme: a scheme name, a generated .py, a scheme .yaml, or "none" (unquantized). backend: "triton",
+    "interpreter" or "reference". device / dtype: of the cache tensors (default: those of the first K/V stored);
+    dtype is the metadata dtype of quantized layers and the storage dtype of "none" layers. block_size: tokens
+    per cache block. max_cache_len: allocate every row's blocks up front for this many tokens (default: blocks on
+    demand). layer_schemes: {layer index: scheme} overrides, negative indices counting from the last layer.
+    """
+    device = torch.device(device) if device is not None else None
+    _check_backend(backend, device)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                      or max_cache_len < 1):
+        raise ValueError(f"max_cache_len: expected a positive int or None, got {max_cache_len!r}")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+
+    text = _text_config(config)
+    num_layers = text.num_hidden_layers
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
+    if any(t != "full_attention" for t in layer_types) or getattr(text, "sliding_window", None) is not None:
+        raise NotImplementedError("kvqc caches support full-attention layers only (no sliding window or linear layers)")
+    if getattr(text, "is_encoder_decoder", False):
+        raise NotImplementedError("kvqc caches support decoder-only models")
+
+    chosen: list[str | Path] = [scheme] * num_layers
+    for index, other in (layer_schemes or {}).items():
+        if isinstance(index, bool) or not isinstance(index, int) or not -num_layers <= index < num_layers:
+            raise ValueError(f"layer_schemes: layer {index!r} is not in 0..{num_layers - 1} (or -1..-{num_layers})")
+        chosen[index % num_layers] = other
+
+    loaded: dict[str, ModuleType] = {}
+    layers: list[_Layer] = []
+    for index, name in enumerate(chosen):
+        label = _scheme_label(name)
+        common = dict(device=device, dtype=dtype, max_cache_len=max_cache_len)
+        if str(name) == NONE:
+            layers.append(FullPrecisionLayer(index, NONE, num_kv_heads, head_dim, **common))
+            continue
+        key = str(name)
+        if key not in loaded:
+            module = modules.load(name)
+            if head_dim not in module.HEAD_DIMS:
+                raise ValueError(
+                    f"{label}: the model's head_dim is {head_dim}; the scheme is built for head_dims "
+                    f"{list(module.HEAD_DIMS)} (add it to the scheme's head_dims and rebuild)"
+                )
+            loaded[key] = module
+        layers.append(QuantizedLayer(index, label, loaded[key], backend, num_kv_heads, head_dim,
+                                     block_size=block_size, **common))
+    return KVQCCache(layers, backend)
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def _padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The "kvqc" mask: the 2D padding mask [batch, kv_length] (True = real token), or None when nothing is padded.
+
+    Causality is applied by the attention function itself, over each row's stored (padding-free) tokens.
+    """
+    if mask_function is not causal_mask_function:
+        raise NotImplementedError("the kvqc attention supports plain causal masks only (no sliding, chunked or "
+                                  "bidirectional overlays)")
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    if mask.shape[-1] != kv_length:
+        raise ValueError(f"attention_mask: covers {mask.shape[-1]} positions, expected {kv_length} (past + new tokens)")
+    return None if bool(mask.all()) else mask
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "kvqc" attention function: store the new K/V in the layer's kvqc cache, then attend over the cache."""
+    layer: _Layer | None = getattr(key, _LAYER_ATTR, None)
+    if layer is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTENTION!r} needs past_key_values=kvqc.transformers.cache(...) and use_cache=True"
+        )
+    delattr(key, _LAYER_ATTR)
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("the kvqc attention supports neither sliding windows nor logit soft-capping")
+    batch, q_heads, tokens, dim = query.shape
+    if q_heads % layer.num_kv_heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {layer.num_kv_heads} KV heads")
+    scale = dim**-0.5 if scaling is None else float(scaling)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError("the kvqc attention takes 2D padding masks only (got a prepared 4D mask)")
+    keep = None if attention_mask is None else attention_mask[:, -tokens:]
+    before, keep = layer.commit(keep)
+
+    if tokens == 1:
+        out = layer.decode(query[:, :, 0, :], scale)  # [batch, q_heads, dim]
+        if not bool(keep.all()):
+            out = out * keep.to(out.device)[:, :, None].to(out.dtype)
+        return out[:, None].contiguous(), None
+
+    group = q_heads // layer.num_kv_heads
+    compute = torch.promote_types(query.dtype, torch.float32)
+    out = torch.zeros(batch, tokens, q_heads, dim, dtype=query.dtype, device=query.device)
+    for row, (k, v) in enumerate(layer.sequences()):
+        index = keep[row].nonzero().view(-1)
+        m = index.numel()
+        if m == 0:
+            continue
+        index = index.to(query.device)
+        q = query[row].index_select(1, index).to(compute)  # [q_heads, m, dim]
+        k = k.to(device=query.device, dtype=compute).transpose(0, 1).repeat_interleave(group, dim=0)
+        v = v.to(device=query.device, dtype=compute).transpose(0, 1).repeat_interleave(group, dim=0)
+        n = k.shape[1]
+        allowed = torch.arange(n, device=query.device)[None, :] <= before[row] + torch.arange(m, device=query.device)[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [q_heads, m, dim]
+        out[row, index] = o.transpose(0, 1).to(query.dtype)
+    return out, None
+
+
+AttentionInterface.register(ATTENTION, attention)
+AttentionMaskInterface.register(ATTENTION, _padding_mask)
+

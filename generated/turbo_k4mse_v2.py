@@ -94,13 +94,11 @@ def _fill_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_tokens,
     num_slots,
     stride_key_token,
@@ -195,7 +193,6 @@ def _fill_kernel(
 
     tl.store(key_meta_ptr + row * 1 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-
     # value
     x = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
@@ -257,13 +254,11 @@ def _flatten_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
@@ -333,7 +328,6 @@ def _flatten_kernel(
     lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
     tile = lut_3_0
 
-
     tile_0 = tile * key_norm[:, None]
     code = (key_bytes_0_0 >> 4) & 15
 
@@ -353,7 +347,6 @@ def _flatten_kernel(
     lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
     lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
     tile = lut_3_0
-
 
     tile_1 = tile * key_norm[:, None]
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
@@ -380,7 +373,6 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-
     tile_0 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 2) & 3
 
@@ -388,7 +380,6 @@ def _flatten_kernel(
     lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
-
 
     tile_1 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 4) & 3
@@ -398,7 +389,6 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-
     tile_2 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 6) & 3
 
@@ -406,7 +396,6 @@ def _flatten_kernel(
     lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
-
 
     tile_3 = tile * value_norm[:, None]
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
@@ -431,13 +420,11 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -543,7 +530,6 @@ def _decode_kernel(
         lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
         tile = lut_3_0
 
-
         dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
         code = (key_bytes_0_0 >> 4) & 15
 
@@ -563,7 +549,6 @@ def _decode_kernel(
         lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
         lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
         tile = lut_3_0
-
 
         dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
         scores = dots * key_norm[None, :]
@@ -587,7 +572,6 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-
         acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 2) & 3
 
@@ -595,7 +579,6 @@ def _decode_kernel(
         lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
-
 
         acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 4) & 3
@@ -605,7 +588,6 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-
         acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 6) & 3
 
@@ -613,7 +595,6 @@ def _decode_kernel(
         lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
-
 
         acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
 
@@ -799,17 +780,15 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value,
         slot_mapping,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         num_tokens,
         num_slots,
         key.stride(0),
@@ -856,17 +835,15 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         seq_lens,
         cu_seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
@@ -929,17 +906,15 @@ def decode(
         block_tables,
         seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         partial_out,
         partial_max,
         partial_sum,

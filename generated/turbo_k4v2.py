@@ -107,13 +107,11 @@ def _fill_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_tokens,
     num_slots,
     stride_key_token,
@@ -217,7 +215,6 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
     tl.store(key_meta_ptr + row * 2 + 1, residual_rms.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-
     # value
     x = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
@@ -279,13 +276,11 @@ def _flatten_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
@@ -383,7 +378,6 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-
     tile_0 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 2) & 3
 
@@ -391,7 +385,6 @@ def _flatten_kernel(
     lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
-
 
     tile_1 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 4) & 3
@@ -401,7 +394,6 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-
     tile_2 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 6) & 3
 
@@ -409,7 +401,6 @@ def _flatten_kernel(
     lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
-
 
     tile_3 = tile * value_norm[:, None]
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
@@ -434,13 +425,11 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -571,7 +560,6 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-
         acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 2) & 3
 
@@ -579,7 +567,6 @@ def _decode_kernel(
         lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
-
 
         acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 4) & 3
@@ -589,7 +576,6 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-
         acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 6) & 3
 
@@ -597,7 +583,6 @@ def _decode_kernel(
         lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
-
 
         acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
 
@@ -783,17 +768,15 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value,
         slot_mapping,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         num_tokens,
         num_slots,
         key.stride(0),
@@ -840,17 +823,15 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         seq_lens,
         cu_seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
@@ -913,17 +894,15 @@ def decode(
         block_tables,
         seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         partial_out,
         partial_max,
         partial_sum,

@@ -105,13 +105,11 @@ def _fill_kernel(
     key_centroids_ptr,
     key_boundaries_ptr,
     key_qjl_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_tokens,
     num_slots,
     stride_key_token,
@@ -416,7 +414,6 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
     tl.store(key_meta_ptr + row * 2 + 1, residual_norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-
     # value
     x = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
@@ -547,13 +544,11 @@ def _flatten_kernel(
     key_centroids_ptr,
     key_boundaries_ptr,
     key_qjl_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
@@ -876,7 +871,6 @@ def _flatten_kernel(
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
 
-
     tile_0 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 1) & 1
     code = code | ((value_bytes_1_1 & 3) << 1)
@@ -889,7 +883,6 @@ def _flatten_kernel(
     lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
-
 
     tile_1 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 2) & 1
@@ -904,7 +897,6 @@ def _flatten_kernel(
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
 
-
     tile_2 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 3) & 1
     code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
@@ -917,7 +909,6 @@ def _flatten_kernel(
     lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
-
 
     tile_3 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 4) & 1
@@ -932,7 +923,6 @@ def _flatten_kernel(
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
 
-
     tile_4 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 5) & 1
     code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
@@ -945,7 +935,6 @@ def _flatten_kernel(
     lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
-
 
     tile_5 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 6) & 1
@@ -960,7 +949,6 @@ def _flatten_kernel(
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
 
-
     tile_6 = tile * value_norm[:, None]
     code = (value_bytes_0_0 >> 7) & 1
     code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
@@ -973,7 +961,6 @@ def _flatten_kernel(
     lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
     lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
     tile = lut_2_0
-
 
     tile_7 = tile * value_norm[:, None]
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
@@ -1008,13 +995,11 @@ def _decode_kernel(
     key_centroids_ptr,
     key_boundaries_ptr,
     key_qjl_ptr,
-
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -1255,7 +1240,6 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-
         acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 1) & 1
         code = code | ((value_bytes_1_1 & 3) << 1)
@@ -1268,7 +1252,6 @@ def _decode_kernel(
         lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
-
 
         acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 2) & 1
@@ -1283,7 +1266,6 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-
         acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 3) & 1
         code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
@@ -1296,7 +1278,6 @@ def _decode_kernel(
         lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
-
 
         acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 4) & 1
@@ -1311,7 +1292,6 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-
         acc_4 = acc_4 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 5) & 1
         code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
@@ -1324,7 +1304,6 @@ def _decode_kernel(
         lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
-
 
         acc_5 = acc_5 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 6) & 1
@@ -1339,7 +1318,6 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-
         acc_6 = acc_6 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
         code = (value_bytes_0_0 >> 7) & 1
         code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
@@ -1352,7 +1330,6 @@ def _decode_kernel(
         lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
-
 
         acc_7 = acc_7 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
 
@@ -1590,18 +1567,16 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value,
         slot_mapping,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-            tables["key_qjl"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
+        tables["key_qjl"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         num_tokens,
         num_slots,
         key.stride(0),
@@ -1648,18 +1623,16 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         seq_lens,
         cu_seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-            tables["key_qjl"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
+        tables["key_qjl"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
@@ -1724,18 +1697,16 @@ def decode(
         block_tables,
         seq_lens,
         cache.key_codes,
-            cache.key_meta,
-            tables["key_matrix"],
-            tables["key_centroids"],
-            tables["key_boundaries"],
-            tables["key_qjl"],
-
+        cache.key_meta,
+        tables["key_matrix"],
+        tables["key_centroids"],
+        tables["key_boundaries"],
+        tables["key_qjl"],
         cache.value_codes,
-            cache.value_meta,
-            tables["value_matrix"],
-            tables["value_centroids"],
-            tables["value_boundaries"],
-
+        cache.value_meta,
+        tables["value_matrix"],
+        tables["value_centroids"],
+        tables["value_boundaries"],
         partial_out,
         partial_max,
         partial_sum,

@@ -80,8 +80,8 @@ def render(scheme: Scheme) -> str:
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)
-    if os.environ.get("KVQC_RENDER_RAW") != "1":
-        compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
+    source = re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", source)  # inside a body, one blank line at most
+    compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
     return source
 
 

@@ -976,6 +976,24 @@ def _check_cache(cache: KVCache) -> None:
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
     if cache.device.type == "cpu" and not _INTERPRET:
         raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
+    # A cache an engine assembled from its own tensors must have exactly this layout, or kernels would write
+    # outside it.
+    _check_head_dim(cache.head_dim, "cache.head_dim")
+    rows = tuple(cache.key_codes.shape[:3])
+    for name, dtype, last in (
+        ("key_codes", torch.uint8, cache.head_dim * KEY_CODE_BITS // 8),
+        ("key_meta", cache.key_meta.dtype, len(KEY_METADATA)),
+        ("value_codes", torch.uint8, cache.head_dim * VALUE_CODE_BITS // 8),
+        ("value_meta", cache.key_meta.dtype, len(VALUE_METADATA)),
+    ):
+        t = getattr(cache, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"cache.{name}: expected shape {list(rows + (last,))}, got {got}")
+        if t.dtype != dtype or t.device != cache.device or not t.is_contiguous():
+            raise ValueError(f"cache.{name}: expected a contiguous {dtype} tensor on {cache.device}")
+    if cache.key_meta.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:

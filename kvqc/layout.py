@@ -39,15 +39,10 @@ class SideLayout:
 
     name: str  # "key" or "value"
     scheme: TensorScheme
-    head_dims: tuple[int, ...]
 
     @property
     def code_bits(self) -> int:
         return self.scheme.code_bits
-
-    @property
-    def index_bits(self) -> int:
-        return self.scheme.codebook.bits
 
     @property
     def planes(self) -> tuple[Plane, ...]:
@@ -60,14 +55,6 @@ class SideLayout:
 
     def code_bytes(self, head_dim: int) -> int:
         return head_dim * self.code_bits // 8
-
-    def plane_offsets(self, head_dim: int) -> tuple[int, ...]:
-        """Byte offset of each plane inside one token-head's codes."""
-        offsets, at = [], 0
-        for plane in self.planes:
-            offsets.append(at)
-            at += head_dim * plane.width // 8
-        return tuple(offsets)
 
     @property
     def plane_offsets_expr(self) -> tuple[str, ...]:
@@ -113,12 +100,6 @@ class SideLayout:
         """Kernels move between the input basis and position order with one d x d matrix."""
         return self.rotated or self.permuted
 
-    def position_to_coordinate(self, head_dim: int) -> tuple[int, ...]:
-        if not self.permuted:
-            return tuple(range(head_dim))
-        k = 8 // self.code_bits
-        return tuple((p % (head_dim // k)) * k + p // (head_dim // k) for p in range(head_dim))
-
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
         return rotation.sign_vector(head_dim, r.seed) if r.kind == "hadamard" and r.signs else None
@@ -160,6 +141,6 @@ class Layout:
 def plan(scheme: Scheme) -> Layout:
     return Layout(
         scheme,
-        SideLayout("key", scheme.key, scheme.head_dims),
-        SideLayout("value", scheme.value, scheme.head_dims),
+        SideLayout("key", scheme.key),
+        SideLayout("value", scheme.value),
     )

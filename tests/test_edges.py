@@ -787,3 +787,22 @@ def test_unchecked_seq_len_past_table_capacity_stays_in_its_row(name, monkeypatc
     over = m.decode(query, cache, tables, i32([8, 4]))
     at_capacity = m.decode(query, cache, tables, i32([4, 4]))
     torch.testing.assert_close(over[0].cpu(), at_capacity[0].cpu())
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_assembled_cache_with_wrong_layout_is_refused(name):
+    """An engine may build a KVCache from its own tensors: a wrong shape, dtype or layout must not reach a kernel."""
+    m = generated(name)
+    good = m.allocate_cache(4, 16, 2, D, device=DEVICE)
+    key = randn(3, 2, D, seed=120).to(DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    bad_caches = {
+        "key_codes": dataclasses.replace(good, key_codes=good.key_codes[..., :-1].contiguous()),
+        "value_meta": dataclasses.replace(good, value_meta=good.value_meta.float()),
+        "value_codes": dataclasses.replace(good, value_codes=good.value_codes.transpose(0, 1)),
+        "cache.head_dim": dataclasses.replace(good, head_dim=D + 8),
+    }
+    for field, cache in bad_caches.items():
+        with pytest.raises(ValueError, match=field):
+            m.fill(cache, key, key, slots)
+    m.fill(good, key, key, slots)  # the untouched cache still works

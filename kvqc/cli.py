@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
 
         evaluation.add_arguments(p)
         p.set_defaults(run=evaluation.run)
+    p = sub.add_parser("quality", help="reconstruction and attention error per scheme on random and real K/V")
+    if argv[:1] == ["quality"]:
+        from . import quality
+
+        quality.add_arguments(p)
+        p.set_defaults(run=quality.run)
     p = sub.add_parser("explain", help="a scheme's cache layout and kernels")
     p.add_argument("scheme")
     p.add_argument("--head-dim", type=int, default=128)

@@ -9,7 +9,6 @@ or bad arguments.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -79,53 +78,11 @@ def shapes(batches: list[int] | None, contexts: list[int] | None, head_dims: lis
 # ---------------------------------------------------------------- schemes and modules
 
 
-def _scheme_name(yaml_path: Path) -> str:
-    # `kvqc build` names the module after the scheme's `name`, which may differ from the file's stem.
-    try:
-        import yaml
+def resolve_modules(args: list[str]) -> list[Path]:
+    """The generated module file per SCHEME argument (default: one per schemes/*.yaml), through kvqc.modules."""
+    from .modules import SCHEMES, resolve
 
-        name = yaml.safe_load(yaml_path.read_text(encoding="utf-8")).get("name")
-        return name if isinstance(name, str) and name else yaml_path.stem
-    except Exception:
-        return yaml_path.stem
-
-
-def _existing(arg: str) -> Path | None:
-    for path in (Path(arg), ROOT / arg):
-        if path.is_file():
-            return path
-    return None
-
-
-def resolve_modules(args: list[str]) -> list[tuple[str, Path]]:
-    """(name, generated module path) per SCHEME argument; raises ValueError naming the first that has none."""
-    if not args:
-        names = [_scheme_name(p) for p in sorted((ROOT / "schemes").glob("*.yaml"))]
-        found = [(n, ROOT / "generated" / f"{n}.py") for n in names]
-        found = [(n, p) for n, p in found if p.is_file()]
-        if not found:
-            raise ValueError(f"no generated modules for {ROOT / 'schemes'}/*.yaml; run `kvqc build` first")
-        return found
-    modules = []
-    for arg in args:
-        path = _existing(arg)
-        if path is not None and path.suffix == ".py":
-            modules.append((path.stem, path))
-            continue
-        name = _scheme_name(path) if path is not None else Path(arg).stem if arg.endswith((".yaml", ".yml")) else arg
-        target = ROOT / "generated" / f"{name}.py"
-        if not target.is_file():
-            raise ValueError(f"{arg}: no generated module {target}; run `kvqc build`")
-        modules.append((name, target))
-    return modules
-
-
-def load_module(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"kvqc_generated_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and triton's source lookup resolve names through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return [resolve(arg) for arg in (args or sorted(p.stem for p in SCHEMES.glob("*.yaml")))]
 
 
 # ---------------------------------------------------------------- pure arithmetic
@@ -445,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         modules = resolve_modules(args.schemes)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a SchemeError is a ValueError
         print(f"kvqc bench: {exc}", file=sys.stderr)
         return 2
     import triton
@@ -465,10 +422,13 @@ def run(args: argparse.Namespace) -> int:
            "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"]}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
     rows: list[dict] = []
-    for name, path in modules:
+    from .modules import load
+
+    for path in modules:
+        name = path.stem.split("-")[0]  # a module rendered from a .yaml is cached as <name>-<hash>.py
         print(f"\n{name} ({path}); flatten's time includes its host read of seq_lens")
         try:
-            module = load_module(name, path)
+            module = load(path)
         except Exception as exc:
             print(f"  could not import: {type(exc).__name__}: {exc}")
             rows.append({"scheme": name, "status": "error", "note": f"import: {type(exc).__name__}: {exc}"})

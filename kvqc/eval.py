@@ -172,18 +172,15 @@ def label(scheme: str) -> str:
 
 def versions() -> dict[str, str]:
     import torch
-    import transformers
 
     from . import __version__
 
-    out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = "not installed"
+    out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "not installed"
     return out
 
 

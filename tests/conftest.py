@@ -4,7 +4,6 @@ On a machine with a GPU the kernels are compiled and run there; elsewhere they r
 interpreter, which must be switched on before triton decorates any kernel.
 """
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -31,15 +30,5 @@ settings.load_profile(os.environ.get("KVQC_PROFILE", "ci"))
 DEEP = os.environ.get("KVQC_PROFILE", "ci") == "deep"
 
 SCHEMES = sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
-_modules = {}
 
-
-def generated(name: str):
-    """Import generated/<name>.py by path, once."""
-    if name not in _modules:
-        path = ROOT / "generated" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"kvqc_generated_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _modules[name] = module
-    return _modules[name]
+from kvqc.modules import load as generated  # noqa: E402  generated/<name>.py, imported once

@@ -44,8 +44,10 @@ SCHEME = {'head_dims': [64, 128, 256],
 HEAD_DIMS = (64, 128, 256)
 KEY_CODE_BITS = 8
 KEY_METADATA = ('scale', 'zero')
+KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 VALUE_CODE_BITS = 8
 VALUE_METADATA = ('scale', 'zero')
+VALUE_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -113,10 +115,10 @@ def _fill_kernel(
     zero = tl.min(x_0, axis=1)
     high = tl.max(x_0, axis=1)
     scale = (high - zero) / 255
-    # A constant row has scale 0: every code is 0 and `zero` alone carries the value back.
+    # A constant row has scale 0: every code is the zero level and `zero` alone carries the value back.
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_0 = tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32)
-    code_0 = tl.minimum(tl.maximum(code_0, 0), 255)
+    code_0 = tl.minimum(tl.maximum(tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 255)
+
     packed = ((code_0))
     tl.store(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
 
@@ -133,10 +135,10 @@ def _fill_kernel(
     zero = tl.min(x_0, axis=1)
     high = tl.max(x_0, axis=1)
     scale = (high - zero) / 255
-    # A constant row has scale 0: every code is 0 and `zero` alone carries the value back.
+    # A constant row has scale 0: every code is the zero level and `zero` alone carries the value back.
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_0 = tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32)
-    code_0 = tl.minimum(tl.maximum(code_0, 0), 255)
+    code_0 = tl.minimum(tl.maximum(tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 255)
+
     packed = ((code_0))
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
 
@@ -192,9 +194,12 @@ def _flatten_kernel(
 
     code = key_bytes_0_0
 
-    tile = code.to(tl.float32)
+    level = code.to(tl.float32)
+
+    tile = level
 
     tile_0 = tile * key_scale[:, None] + key_zero[:, None]
+
     tl.store(
         key_out_ptr + out_row[:, None] * HEAD_DIM + key_chunk[None, :],
         tile_0.to(key_out_ptr.dtype.element_ty),
@@ -210,9 +215,12 @@ def _flatten_kernel(
 
     code = value_bytes_0_0
 
-    tile = code.to(tl.float32)
+    level = code.to(tl.float32)
+
+    tile = level
 
     tile_0 = tile * value_scale[:, None] + value_zero[:, None]
+
     tl.store(
         value_out_ptr + out_row[:, None] * HEAD_DIM + value_chunk[None, :],
         tile_0.to(value_out_ptr.dtype.element_ty),
@@ -293,7 +301,9 @@ def _decode_kernel(
 
         code = key_bytes_0_0
 
-        tile = code.to(tl.float32)
+        level = code.to(tl.float32)
+
+        tile = level
 
         dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
         scores = dots * key_scale[None, :] + query_sum[:, None] * key_zero[None, :]
@@ -314,7 +324,9 @@ def _decode_kernel(
         shift = tl.sum(p * value_zero[None, :], axis=1)
         code = value_bytes_0_0
 
-        tile = code.to(tl.float32)
+        level = code.to(tl.float32)
+
+        tile = level
 
         acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION) + shift[:, None]
 
@@ -396,10 +408,8 @@ class KVCache:
     """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
 
     key_codes: uint8, last dim head_dim * 8 / 8 (bit planes 8, split packing)
-    key_meta:  model dtype, last dim 2: scale, zero
-    value_codes: uint8, last dim head_dim * 8 / 8 (bit planes 8, split packing)
-    value_meta:  model dtype, last dim 2: scale, zero
-    """
+    key_meta:  model dtype, last dim 2: scale, zero    value_codes: uint8, last dim head_dim * 8 / 8 (bit planes 8, split packing)
+    value_meta:  model dtype, last dim 2: scale, zero    """
 
     key_codes: torch.Tensor
     key_meta: torch.Tensor
@@ -432,7 +442,15 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
     _check_head_dim(head_dim, "head_dim")
     item = torch.empty((), dtype=dtype).element_size()
-    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (len(KEY_METADATA) + len(VALUE_METADATA))
+    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_key_meta_width(head_dim) + _value_meta_width(head_dim))
+
+
+def _key_meta_width(head_dim: int) -> int:
+    return len(KEY_METADATA) * (head_dim // KEY_GROUP_SIZE if KEY_GROUP_SIZE else 1)
+
+
+def _value_meta_width(head_dim: int) -> int:
+    return len(VALUE_METADATA) * (head_dim // VALUE_GROUP_SIZE if VALUE_GROUP_SIZE else 1)
 
 
 def allocate_cache(
@@ -453,9 +471,9 @@ def allocate_cache(
     shape = (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        key_meta=torch.zeros(*shape, len(KEY_METADATA), dtype=dtype, device=device),
+        key_meta=torch.zeros(*shape, _key_meta_width(head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        value_meta=torch.zeros(*shape, len(VALUE_METADATA), dtype=dtype, device=device),
+        value_meta=torch.zeros(*shape, _value_meta_width(head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
     )
 
@@ -667,9 +685,9 @@ def _check_cache(cache: KVCache) -> None:
     rows = tuple(cache.key_codes.shape[:3])
     for name, dtype, last in (
         ("key_codes", torch.uint8, cache.head_dim * KEY_CODE_BITS // 8),
-        ("key_meta", cache.key_meta.dtype, len(KEY_METADATA)),
+        ("key_meta", cache.key_meta.dtype, _key_meta_width(cache.head_dim)),
         ("value_codes", torch.uint8, cache.head_dim * VALUE_CODE_BITS // 8),
-        ("value_meta", cache.key_meta.dtype, len(VALUE_METADATA)),
+        ("value_meta", cache.key_meta.dtype, _value_meta_width(cache.head_dim)),
     ):
         t = getattr(cache, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):

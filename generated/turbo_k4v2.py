@@ -57,8 +57,10 @@ SCHEME = {'head_dims': [64, 128, 256],
 HEAD_DIMS = (64, 128, 256)
 KEY_CODE_BITS = 4
 KEY_METADATA = ('norm', 'residual_rms')
+KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 VALUE_CODE_BITS = 2
 VALUE_METADATA = ('norm',)
+VALUE_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 
 # Key Lloyd-Max centroids in N(0, 1) units, per head_dim; the unit vector's coordinates are these / sqrt(d).
 _KEY_CENTROIDS = {
@@ -339,6 +341,7 @@ def _flatten_kernel(
     tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
     tile_0 = tile * key_norm[:, None]
+
     code = (key_bytes_0_0 >> 4) & 15
 
     lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
@@ -354,6 +357,7 @@ def _flatten_kernel(
     tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
     tile_1 = tile * key_norm[:, None]
+
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
     matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + dim[None, :])
     out = _mm(tile_0, matrix, DOT_PRECISION)
@@ -379,6 +383,7 @@ def _flatten_kernel(
     tile = lut_1_0
 
     tile_0 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 2) & 3
 
     lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -387,6 +392,7 @@ def _flatten_kernel(
     tile = lut_1_0
 
     tile_1 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 4) & 3
 
     lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -395,6 +401,7 @@ def _flatten_kernel(
     tile = lut_1_0
 
     tile_2 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 6) & 3
 
     lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -403,6 +410,7 @@ def _flatten_kernel(
     tile = lut_1_0
 
     tile_3 = tile * value_norm[:, None]
+
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
     matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
     out = _mm(tile_0, matrix, DOT_PRECISION)
@@ -679,10 +687,8 @@ class KVCache:
     """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
 
     key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
-    key_meta:  model dtype, last dim 2: norm, residual_rms
-    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
-    value_meta:  model dtype, last dim 1: norm
-    """
+    key_meta:  model dtype, last dim 2: norm, residual_rms    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
+    value_meta:  model dtype, last dim 1: norm    """
 
     key_codes: torch.Tensor
     key_meta: torch.Tensor
@@ -715,7 +721,15 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
     _check_head_dim(head_dim, "head_dim")
     item = torch.empty((), dtype=dtype).element_size()
-    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (len(KEY_METADATA) + len(VALUE_METADATA))
+    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_key_meta_width(head_dim) + _value_meta_width(head_dim))
+
+
+def _key_meta_width(head_dim: int) -> int:
+    return len(KEY_METADATA) * (head_dim // KEY_GROUP_SIZE if KEY_GROUP_SIZE else 1)
+
+
+def _value_meta_width(head_dim: int) -> int:
+    return len(VALUE_METADATA) * (head_dim // VALUE_GROUP_SIZE if VALUE_GROUP_SIZE else 1)
 
 
 def allocate_cache(
@@ -736,9 +750,9 @@ def allocate_cache(
     shape = (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        key_meta=torch.zeros(*shape, len(KEY_METADATA), dtype=dtype, device=device),
+        key_meta=torch.zeros(*shape, _key_meta_width(head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        value_meta=torch.zeros(*shape, len(VALUE_METADATA), dtype=dtype, device=device),
+        value_meta=torch.zeros(*shape, _value_meta_width(head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
     )
 
@@ -970,9 +984,9 @@ def _check_cache(cache: KVCache) -> None:
     rows = tuple(cache.key_codes.shape[:3])
     for name, dtype, last in (
         ("key_codes", torch.uint8, cache.head_dim * KEY_CODE_BITS // 8),
-        ("key_meta", cache.key_meta.dtype, len(KEY_METADATA)),
+        ("key_meta", cache.key_meta.dtype, _key_meta_width(cache.head_dim)),
         ("value_codes", torch.uint8, cache.head_dim * VALUE_CODE_BITS // 8),
-        ("value_meta", cache.key_meta.dtype, len(VALUE_METADATA)),
+        ("value_meta", cache.key_meta.dtype, _value_meta_width(cache.head_dim)),
     ):
         t = getattr(cache, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):

@@ -44,8 +44,10 @@ SCHEME = {'head_dims': [128, 256],
 HEAD_DIMS = (128, 256)
 KEY_CODE_BITS = 3
 KEY_METADATA = ('norm', 'residual_norm')
+KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 VALUE_CODE_BITS = 3
 VALUE_METADATA = ('norm',)
+VALUE_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
 
 # Key Lloyd-Max centroids in N(0, 1) units, per head_dim; the unit vector's coordinates are these / sqrt(d).
 _KEY_CENTROIDS = {
@@ -604,6 +606,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_0 = tile * key_norm[:, None]
+
     signs_0 = signs
     code = (key_bytes_0_0 >> 1) & 1
     code = code | ((key_bytes_1_1 & 3) << 1)
@@ -617,6 +620,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_1 = tile * key_norm[:, None]
+
     signs_1 = signs
     code = (key_bytes_0_0 >> 2) & 1
     code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
@@ -630,6 +634,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_2 = tile * key_norm[:, None]
+
     signs_2 = signs
     code = (key_bytes_0_0 >> 3) & 1
     code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
@@ -643,6 +648,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_3 = tile * key_norm[:, None]
+
     signs_3 = signs
     code = (key_bytes_0_0 >> 4) & 1
     code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
@@ -656,6 +662,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_4 = tile * key_norm[:, None]
+
     signs_4 = signs
     code = (key_bytes_0_0 >> 5) & 1
     code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
@@ -669,6 +676,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_5 = tile * key_norm[:, None]
+
     signs_5 = signs
     code = (key_bytes_0_0 >> 6) & 1
     code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
@@ -682,6 +690,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_6 = tile * key_norm[:, None]
+
     signs_6 = signs
     code = (key_bytes_0_0 >> 7) & 1
     code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
@@ -695,6 +704,7 @@ def _flatten_kernel(
     signs = tl.where(positive, 1.0, -1.0)
 
     tile_7 = tile * key_norm[:, None]
+
     signs_7 = signs
     qjl = tl.load(key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :])
     tile_0 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
@@ -872,6 +882,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_0 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 1) & 1
     code = code | ((value_bytes_1_1 & 3) << 1)
 
@@ -885,6 +896,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_1 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 2) & 1
     code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
@@ -898,6 +910,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_2 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 3) & 1
     code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
@@ -911,6 +924,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_3 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 4) & 1
     code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
@@ -924,6 +938,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_4 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 5) & 1
     code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
@@ -937,6 +952,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_5 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 6) & 1
     code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
@@ -950,6 +966,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_6 = tile * value_norm[:, None]
+
     code = (value_bytes_0_0 >> 7) & 1
     code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
@@ -963,6 +980,7 @@ def _flatten_kernel(
     tile = lut_2_0
 
     tile_7 = tile * value_norm[:, None]
+
     # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
     matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + dim[None, :])
     out = _mm(tile_0, matrix, DOT_PRECISION)
@@ -1478,10 +1496,8 @@ class KVCache:
     """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
 
     key_codes: uint8, last dim head_dim * 3 / 8 (bit planes 1, 2, split packing)
-    key_meta:  model dtype, last dim 2: norm, residual_norm
-    value_codes: uint8, last dim head_dim * 3 / 8 (bit planes 1, 2, split packing)
-    value_meta:  model dtype, last dim 1: norm
-    """
+    key_meta:  model dtype, last dim 2: norm, residual_norm    value_codes: uint8, last dim head_dim * 3 / 8 (bit planes 1, 2, split packing)
+    value_meta:  model dtype, last dim 1: norm    """
 
     key_codes: torch.Tensor
     key_meta: torch.Tensor
@@ -1514,7 +1530,15 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
     _check_head_dim(head_dim, "head_dim")
     item = torch.empty((), dtype=dtype).element_size()
-    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (len(KEY_METADATA) + len(VALUE_METADATA))
+    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_key_meta_width(head_dim) + _value_meta_width(head_dim))
+
+
+def _key_meta_width(head_dim: int) -> int:
+    return len(KEY_METADATA) * (head_dim // KEY_GROUP_SIZE if KEY_GROUP_SIZE else 1)
+
+
+def _value_meta_width(head_dim: int) -> int:
+    return len(VALUE_METADATA) * (head_dim // VALUE_GROUP_SIZE if VALUE_GROUP_SIZE else 1)
 
 
 def allocate_cache(
@@ -1535,9 +1559,9 @@ def allocate_cache(
     shape = (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        key_meta=torch.zeros(*shape, len(KEY_METADATA), dtype=dtype, device=device),
+        key_meta=torch.zeros(*shape, _key_meta_width(head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        value_meta=torch.zeros(*shape, len(VALUE_METADATA), dtype=dtype, device=device),
+        value_meta=torch.zeros(*shape, _value_meta_width(head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
     )
 
@@ -1774,9 +1798,9 @@ def _check_cache(cache: KVCache) -> None:
     rows = tuple(cache.key_codes.shape[:3])
     for name, dtype, last in (
         ("key_codes", torch.uint8, cache.head_dim * KEY_CODE_BITS // 8),
-        ("key_meta", cache.key_meta.dtype, len(KEY_METADATA)),
+        ("key_meta", cache.key_meta.dtype, _key_meta_width(cache.head_dim)),
         ("value_codes", torch.uint8, cache.head_dim * VALUE_CODE_BITS // 8),
-        ("value_meta", cache.key_meta.dtype, len(VALUE_METADATA)),
+        ("value_meta", cache.key_meta.dtype, _value_meta_width(cache.head_dim)),
     ):
         t = getattr(cache, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):

@@ -45,11 +45,17 @@ def describe(side: SideLayout) -> str:
     parts = []
     if s.rotation.kind == "hadamard":
         parts.append("randomized Hadamard rotation" if s.rotation.signs else "Walsh-Hadamard rotation")
+    per = f"per group of {s.scale.group_size} channels" if s.scale.group_size else "per-token"
     if s.scale.kind == "norm":
         law = "N(0,1/d)" if s.codebook.law == "gaussian" else "unit-sphere"
-        parts.append(f"per-token L2 norm, {s.codebook.bits}-bit Lloyd-Max ({law} law)")
+        norm = "unbiased (DRIVE/EDEN) norm" if s.scale.unbiased else "L2 norm"
+        parts.append(f"per-token {norm}, {s.codebook.bits}-bit Lloyd-Max ({law} law)")
+    elif s.codebook.kind == "fp8":
+        parts.append(f"{per} absmax scale, fp8 {s.codebook.format}")
+    elif s.scale.kind == "absmax":
+        parts.append(f"{per} symmetric {s.codebook.bits}-bit (absmax scale)")
     else:
-        parts.append(f"per-token affine {s.codebook.bits}-bit (scale, zero)")
+        parts.append(f"{per} affine {s.codebook.bits}-bit (scale, zero)")
     if s.residual.kind == "sign":
         parts.append("1-bit residual sign with its RMS")
     elif s.residual.kind == "qjl":

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .modules import meta_width
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ("The capital of France is", "The largest planet in our solar system is")
@@ -216,8 +218,8 @@ def bits_per_coordinate(past, head_dim: int, metadata_bytes: int) -> tuple[float
             k += 8 * metadata_bytes
             v += 8 * metadata_bytes
             continue
-        k += module.KEY_CODE_BITS + 8 * metadata_bytes * len(module.KEY_METADATA) / head_dim
-        v += module.VALUE_CODE_BITS + 8 * metadata_bytes * len(module.VALUE_METADATA) / head_dim
+        k += module.KEY_CODE_BITS + 8 * metadata_bytes * meta_width(module, "key", head_dim) / head_dim
+        v += module.VALUE_CODE_BITS + 8 * metadata_bytes * meta_width(module, "value", head_dim) / head_dim
     return k / len(past.layers), v / len(past.layers)
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from . import rotation
-from .spec import Scheme, TensorScheme
+from .spec import FP8_FORMATS, Scheme, TensorScheme
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,44 @@ class SideLayout:
     @property
     def metadata(self) -> tuple[str, ...]:
         return self.scheme.metadata
+
+    @property
+    def group_size(self) -> int | None:
+        return self.scheme.scale.group_size
+
+    def meta_width(self, head_dim: int) -> int:
+        """Metadata values per token and head: the fields, once per scale group."""
+        return len(self.metadata) * self.scheme.groups(head_dim)
+
+    @property
+    def row_factor(self) -> str | None:
+        """The metadata field that multiplies a whole row (decode applies it to scores and probabilities, not
+        to tiles); None when scales vary along the row (groups), so tiles are dequantized in full."""
+        if self.group_size:
+            return None
+        return "norm" if self.scheme.scale.kind == "norm" else "scale"
+
+    @property
+    def row_shift(self) -> str | None:
+        """The metadata field added to a whole row (a per-token affine zero), or None."""
+        return "zero" if self.scheme.scale.kind == "minmax" and not self.group_size else None
+
+    @property
+    def level_top(self) -> int:
+        """A symmetric grid's largest level: codes 0..2*top hold levels -top..top."""
+        return 2 ** (self.scheme.codebook.bits - 1) - 1
+
+    @property
+    def fp8(self) -> tuple[int, int, float] | None:
+        """(mantissa bits, exponent bias, largest finite value) of an fp8 codebook."""
+        cb = self.scheme.codebook
+        return FP8_FORMATS[cb.format] if cb.kind == "fp8" else None
+
+    @property
+    def meta_width_expr(self) -> str:
+        """meta_width as a constexpr expression of HEAD_DIM, for the kernels."""
+        n = len(self.metadata)
+        return f"(HEAD_DIM // {self.group_size} * {n})" if self.group_size else str(n)
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -132,7 +170,7 @@ class Layout:
 
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""
-        return sum(s.code_bytes(head_dim) + metadata_bytes * len(s.metadata) for s in self.sides)
+        return sum(s.code_bytes(head_dim) + metadata_bytes * s.meta_width(head_dim) for s in self.sides)
 
     def compression_ratio(self, head_dim: int) -> float:
         return 2 * head_dim * 2 / self.bytes_per_token(head_dim)

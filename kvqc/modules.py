@@ -125,3 +125,10 @@ def load(scheme: str | Path) -> ModuleType:
                     raise ImportError(f"{path}: not a kvqc generated module (no {attr})")
             _loaded[key] = module
         return module
+
+
+def meta_width(module: ModuleType, side: str, head_dim: int) -> int:
+    """Metadata values per token and KV head of a generated module's K (side='key') or V: fields times groups."""
+    fields = len(getattr(module, f"{side.upper()}_METADATA"))
+    group_size = getattr(module, f"{side.upper()}_GROUP_SIZE", None)
+    return fields * (head_dim // group_size if group_size else 1)

@@ -46,6 +46,7 @@ from typing import Any
 
 from . import eval as evaluation
 from .eval import machine, versions
+from .modules import meta_width
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("random", "smollm2")
@@ -237,8 +238,8 @@ def measure(module, data: dict[str, Any], meta_dtype=None) -> dict[str, Any]:
         sums["o_err"] += o_err
         sums["o_ref"] += o_ref
         per_segment.append(math.sqrt(o_err / o_ref))
-    kb = module.KEY_CODE_BITS + 16 * len(module.KEY_METADATA) / d
-    vb = module.VALUE_CODE_BITS + 16 * len(module.VALUE_METADATA) / d
+    kb = module.KEY_CODE_BITS + 16 * meta_width(module, "key", d) / d
+    vb = module.VALUE_CODE_BITS + 16 * meta_width(module, "value", d) / d
     row.update({
         "status": "ok",
         "bits_per_coordinate": [kb, vb],

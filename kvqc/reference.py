@@ -15,7 +15,7 @@ import torch
 
 from . import rotation
 from .layout import SideLayout, plan
-from .spec import Scheme, scheme_from_dict
+from .spec import FP8_FORMATS, Scheme, scheme_from_dict
 
 
 @dataclass
@@ -89,18 +89,57 @@ class SideReference:
     # -- quantization
     def quantize(self, x: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
         y = self.rotate(x.to(torch.float64))
-        bits = self.s.codebook.bits
+        if self.s.scale.kind == "norm":
+            return self._quantize_norm(y, meta_dtype)
+        n, d = y.shape
+        groups = self.s.groups(d)
+        yg = y.view(n, groups, d // groups)  # scale groups are runs of coordinates (the rotated basis)
         if self.s.scale.kind == "minmax":
-            lo, hi = y.min(dim=1).values, y.max(dim=1).values
-            scale = (hi - lo) / (2**bits - 1)
-            inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-            t = (y - lo[:, None]) * inverse[:, None] + 0.5
-            code = t.floor().clamp(0, 2**bits - 1).to(torch.int64)
-            margin = (t - t.round()).abs()  # distance from a rounding tie, in grid steps
-            margin = torch.where(scale[:, None] > 0, margin, torch.full_like(margin, math.inf))
-            meta = torch.stack([scale, lo], dim=1)
-            return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
+            code, margin, meta = self._affine(yg)
+        elif self.s.codebook.kind == "fp8":
+            code, margin, meta = self._fp8(yg)
+        else:
+            code, margin, meta = self._symmetric(yg)
+        meta = meta.reshape(n, groups * meta.shape[-1])  # group-major: the fields of group 0, then of group 1, ...
+        return Quantized(self.pack(code.view(n, d)), meta.to(meta_dtype), code.view(n, d), margin.view(n, d))
 
+    def _affine(self, yg: torch.Tensor):
+        levels = 2**self.s.codebook.bits - 1
+        lo, hi = yg.min(dim=-1).values, yg.max(dim=-1).values
+        scale = (hi - lo) / levels
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        t = (yg - lo[..., None]) * inverse[..., None] + 0.5
+        code = t.floor().clamp(0, levels).to(torch.int64)
+        margin = (t - t.round()).abs()  # distance from a rounding tie, in grid steps
+        margin = torch.where(scale[..., None] > 0, margin, torch.full_like(margin, math.inf))
+        return code, margin, torch.stack([scale, lo], dim=-1)
+
+    def _symmetric(self, yg: torch.Tensor):
+        top = 2 ** (self.s.codebook.bits - 1) - 1  # levels -top..top, stored as code - top
+        scale = yg.abs().max(dim=-1).values / top
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        t = yg * inverse[..., None] + 0.5
+        code = t.floor().clamp(-top, top).to(torch.int64) + top
+        margin = (t - t.round()).abs()
+        margin = torch.where(scale[..., None] > 0, margin, torch.full_like(margin, math.inf))
+        return code, margin, scale[..., None]
+
+    def _fp8(self, yg: torch.Tensor):
+        largest = FP8_FORMATS[self.s.codebook.format][2]
+        scale = yg.abs().max(dim=-1).values / largest
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        t = (yg * inverse[..., None]).clamp(-largest, largest)
+        # Nearest value of the format's grid, read off the table of every finite code (independent of the
+        # kernels' bit arithmetic); a value on a midpoint is a tie that either neighbour may take.
+        values, codes = fp8_grid(self.s.codebook.format)
+        mid = (values[1:] + values[:-1]) / 2
+        index = torch.searchsorted(mid, t.contiguous())
+        gap = (values[1:] - values[:-1])[(index - 1).clamp(0, len(mid) - 1)]
+        margin = (t[..., None] - mid).abs().min(dim=-1).values / gap
+        return codes[index], margin, scale[..., None]
+
+    def _quantize_norm(self, y: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
+        bits = self.s.codebook.bits
         norm = y.norm(dim=1)
         unit = y / norm.clamp_min(1e-300)[:, None]
         index = torch.searchsorted(self.boundaries, unit.contiguous(), right=False)  # number of boundaries < u
@@ -108,11 +147,14 @@ class SideReference:
         margin = nearest * math.sqrt(self.d)  # in N(0,1) units, comparable across head_dims
         fields = [norm]
         code = index
+        unit_hat = self.centroids[index]
         if self.s.residual.kind != "none":
             residual = unit - self.centroids[index]
             if self.s.residual.kind == "sign":
                 decided = residual
-                fields.append(residual.pow(2).mean(dim=1).sqrt())
+                rms = residual.pow(2).mean(dim=1).sqrt()
+                fields.append(rms)
+                unit_hat = unit_hat + torch.where(residual >= 0, 1.0, -1.0) * rms[:, None]
             else:
                 decided = residual @ self.qjl.T  # S r
                 fields.append(residual.norm(dim=1))
@@ -120,6 +162,11 @@ class SideReference:
             # N(0,1) units: r's coordinates have RMS |r|/sqrt(d); each coordinate of S r has RMS |r|.
             spread = residual.norm(dim=1, keepdim=True) / (math.sqrt(self.d) if self.s.residual.kind == "sign" else 1)
             margin = torch.minimum(margin, decided.abs() / spread.clamp_min(1e-300))
+        if self.s.scale.unbiased:
+            # DRIVE/EDEN: |y|^2 / <y, y_hat_unit> makes <y, y_hat> = |y|^2 exactly and <q, y_hat> unbiased over
+            # the random rotation; a non-positive alignment (only for degenerate rows) keeps the plain norm.
+            align = (unit * unit_hat).sum(dim=1)
+            fields[0] = torch.where(align > 1e-30, norm / align.clamp_min(1e-30), norm)
         meta = torch.stack(fields, dim=1)
         return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
 
@@ -127,19 +174,44 @@ class SideReference:
         code = self.unpack(codes)
         meta = meta.to(torch.float64)
         bits = self.s.codebook.bits
-        if self.s.scale.kind == "minmax":
-            y = code.to(torch.float64) * meta[:, 0:1] + meta[:, 1:2]
-        else:
-            unit = self.centroids[code & (2**bits - 1)]
-            if self.s.residual.kind != "none":
-                sign = ((code >> bits) & 1).to(torch.float64) * 2 - 1
-                if self.s.residual.kind == "sign":
-                    unit = unit + sign * meta[:, 1:2]
-                else:
-                    # QJL: x_qjl = sqrt(pi/2) / d * |r| * S^T sign(S r), unbiased for <y, r>.
-                    unit = unit + math.sqrt(math.pi / 2) / self.d * meta[:, 1:2] * (sign @ self.qjl)
-            y = meta[:, 0:1] * unit
+        n, d = code.shape
+        if self.s.scale.kind != "norm":
+            groups = self.s.groups(d)
+            meta = meta.view(n, groups, len(self.s.metadata))
+            if self.s.scale.kind == "minmax":
+                level = code.to(torch.float64)
+            elif self.s.codebook.kind == "fp8":
+                level = fp8_grid(self.s.codebook.format, by_code=True)[code]
+            else:
+                level = code.to(torch.float64) - (2 ** (bits - 1) - 1)
+            y = level.view(n, groups, d // groups) * meta[..., 0:1]
+            if self.s.scale.kind == "minmax":
+                y = y + meta[..., 1:2]
+            return self.unrotate(y.view(n, d))
+        unit = self.centroids[code & (2**bits - 1)]
+        if self.s.residual.kind != "none":
+            sign = ((code >> bits) & 1).to(torch.float64) * 2 - 1
+            if self.s.residual.kind == "sign":
+                unit = unit + sign * meta[:, 1:2]
+            else:
+                # QJL: x_qjl = sqrt(pi/2) / d * |r| * S^T sign(S r), unbiased for <y, r>.
+                unit = unit + math.sqrt(math.pi / 2) / self.d * meta[:, 1:2] * (sign @ self.qjl)
+        y = meta[:, 0:1] * unit
         return self.unrotate(y)
+
+
+def fp8_grid(fmt: str, by_code: bool = False):
+    """The finite values of an fp8 format: (sorted values, their codes), or by_code: value of each code 0..255.
+
+    Decoded from the bit layout by torch's own float8 dtypes, not by kvqc's arithmetic.
+    """
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float64)
+    if by_code:
+        return torch.nan_to_num(every, nan=0.0, posinf=0.0, neginf=0.0)  # never stored: fill saturates
+    finite = torch.isfinite(every) & ~((every == 0) & (torch.arange(256) >= 128))  # one zero, code 0
+    values, order = every[finite].sort()
+    return values, torch.arange(256)[finite][order]
 
 
 class Reference:

@@ -46,16 +46,23 @@ class Rotation:
 
 @dataclass(frozen=True)
 class Scale:
-    kind: str  # norm: per-token L2 norm, codes index the unit vector | minmax: per-token affine (scale, zero)
+    # norm: L2 norm, codes index the unit vector | minmax: affine (scale, zero) | absmax: symmetric (scale only)
+    kind: str
     axis: str = "token"
+    group_size: int | None = None  # channels sharing one scale; None: the whole head (one per token and head)
+    unbiased: bool = False  # norm only: store |y|^2 / <y, y_hat> so that <q, y_hat> is unbiased (DRIVE/EDEN)
+
+
+FP8_FORMATS = {"e4m3": (3, 7, 448.0), "e5m2": (2, 15, 57344.0)}  # mantissa bits, exponent bias, largest finite
 
 
 @dataclass(frozen=True)
 class Codebook:
-    kind: str  # lloyd_max | uniform
+    kind: str  # lloyd_max | uniform | fp8
     bits: int
     law: str = "gaussian"  # lloyd_max only: gaussian (N(0,1) limit) | sphere (exact unit-vector marginal)
     centroids: tuple[float, ...] | None = None  # lloyd_max only: explicit table in N(0,1) units
+    format: str | None = None  # fp8 only: e4m3 (OCP E4M3FN, torch.float8_e4m3fn) | e5m2
 
 
 @dataclass(frozen=True)
@@ -78,11 +85,17 @@ class TensorScheme:
     def code_bits(self) -> int:
         return self.codebook.bits + (self.residual.kind != "none")
 
+    def groups(self, head_dim: int) -> int:
+        """Scale groups per token and head: each stores one set of `metadata` fields."""
+        return head_dim // self.scale.group_size if self.scale.group_size else 1
+
     @property
     def metadata(self) -> tuple[str, ...]:
-        """Per-token, per-head values stored beside the codes, in the model dtype."""
+        """Values stored per scale group (per token and head without groups), in the model dtype."""
         if self.scale.kind == "minmax":
             return ("scale", "zero")
+        if self.scale.kind == "absmax":
+            return ("scale",)
         extra = {"none": (), "sign": ("residual_rms",), "qjl": ("residual_norm",)}[self.residual.kind]
         return ("norm",) + extra
 
@@ -105,6 +118,8 @@ class Scheme:
             if t.rotation.kind == "hadamard":
                 rotation.update(signs=t.rotation.signs, seed=t.rotation.seed)
             codebook: dict[str, Any] = {"kind": t.codebook.kind, "bits": t.codebook.bits}
+            if t.codebook.kind == "fp8":
+                codebook["format"] = t.codebook.format
             if t.codebook.kind == "lloyd_max":
                 codebook["law"] = t.codebook.law
                 if t.codebook.centroids is not None:
@@ -112,9 +127,15 @@ class Scheme:
             residual: dict[str, Any] = {"kind": t.residual.kind}
             if t.residual.kind == "qjl":
                 residual["seed"] = t.residual.seed
+            scale: dict[str, Any] = {"kind": t.scale.kind, "axis": t.scale.axis}
+            # Optional fields appear only when set, so schemes written before them keep their content hash.
+            if t.scale.group_size:
+                scale["group_size"] = t.scale.group_size
+            if t.scale.unbiased:
+                scale["unbiased"] = True
             return {
                 "rotation": rotation,
-                "scale": {"kind": t.scale.kind, "axis": t.scale.axis},
+                "scale": scale,
                 "codebook": codebook,
                 "residual": residual,
                 "packing": t.packing,
@@ -137,7 +158,8 @@ class Scheme:
     def bits_per_coordinate(self, head_dim: int, metadata_bytes: int = 2) -> tuple[float, float]:
         """Stored bits per coordinate for K and V, metadata included."""
         return tuple(  # type: ignore[return-value]
-            t.code_bits + 8 * metadata_bytes * len(t.metadata) / head_dim for t in (self.key, self.value)
+            t.code_bits + 8 * metadata_bytes * len(t.metadata) * t.groups(head_dim) / head_dim
+            for t in (self.key, self.value)
         )
 
 
@@ -275,16 +297,34 @@ def _rotation(source: str, path: str, data: Any) -> Rotation:
 
 
 def _scale(source: str, path: str, data: Any) -> Scale:
-    f = _kind(source, path, data, ("norm", "minmax"), ("axis",))
+    f = _kind(source, path, data, ("norm", "minmax", "absmax"), ("axis", "group_size", "unbiased"))
+    kind = f.data["kind"]
     axis = f.choice("axis", ("token", "channel"), default="token")
     if axis != "token":
         f.fail("axis", "per-channel scales are not supported by this kvqc version; use axis: token")
-    return Scale(f.data["kind"], axis)
+    group_size = None
+    if f.has("group_size"):
+        if kind == "norm":
+            f.fail("group_size", "a norm scale covers the whole head (codes index the unit vector); remove it")
+        group_size = f.integer("group_size", 2, 256)
+        if group_size & (group_size - 1):
+            f.fail("group_size", f"expected a power of two 2..256, got {group_size}")
+    unbiased = f.boolean("unbiased", False)
+    if unbiased and kind != "norm":
+        f.fail("unbiased", "only meaningful with kind: norm; remove it")
+    return Scale(kind, axis, group_size, unbiased)
 
 
 def _codebook(source: str, path: str, data: Any) -> Codebook:
-    f = _Fields(source, path, data, ("kind", "bits", "law", "centroids"))
-    kind = f.choice("kind", ("lloyd_max", "uniform"))
+    f = _Fields(source, path, data, ("kind", "bits", "law", "centroids", "format"))
+    kind = f.choice("kind", ("lloyd_max", "uniform", "fp8"))
+    if kind != "fp8" and f.has("format"):
+        f.fail("format", "only meaningful with kind: fp8; remove it")
+    if kind == "fp8":
+        for extra in ("law", "centroids"):
+            if f.has(extra):
+                f.fail(extra, "only meaningful with kind: lloyd_max; remove it")
+        return Codebook(kind, f.integer("bits", 8, 8, default=8), format=f.choice("format", tuple(FP8_FORMATS)))
     bits = f.integer("bits", 1, 8)
     if kind == "uniform":
         for extra in ("law", "centroids"):
@@ -326,8 +366,16 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
     # Combinations the templates cannot honour are refused here, never compiled into something wrong.
     if t.codebook.kind == "lloyd_max" and t.scale.kind != "norm":
         f.fail("scale", "codebook kind lloyd_max indexes a unit vector and needs scale: norm")
-    if t.codebook.kind == "uniform" and t.scale.kind != "minmax":
-        f.fail("scale", "codebook kind uniform is an affine grid and needs scale: minmax")
+    if t.codebook.kind == "uniform" and t.scale.kind not in ("minmax", "absmax"):
+        f.fail("scale", "codebook kind uniform is an integer grid and needs scale: minmax or absmax")
+    if t.codebook.kind == "uniform" and t.scale.kind == "absmax" and t.codebook.bits < 2:
+        f.fail("codebook.bits", "a symmetric (absmax) grid needs 2 or more bits; use scale: minmax for 1 bit")
+    if t.codebook.kind == "fp8" and t.scale.kind != "absmax":
+        f.fail("scale", "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)")
+    if t.scale.unbiased and t.residual.kind == "qjl":
+        f.fail("scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
+    if t.scale.group_size and t.packing == "interleaved" and t.code_bits < 8:
+        f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
     if t.residual.kind != "none" and t.codebook.kind != "lloyd_max":
         f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")
     if t.code_bits > 8:
@@ -376,6 +424,15 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                 "head_dims",
                 f"{side}'s {t.code_bits}-bit codes need head_dim >= {128 // narrowest} (a {narrowest}-bit plane); "
                 f"remove {too_small}",
+            )
+        # Fill reduces each scale group inside one unpacked chunk of d * narrowest / 8 columns.
+        g = t.scale.group_size
+        wide = [d for d in scheme.head_dims if g and (d * narrowest // 8) % g]
+        if wide:
+            f.fail(
+                f"{side}.scale.group_size",
+                f"group_size {g} must divide the {wide[0] * narrowest // 8}-column chunks that {side}'s "
+                f"{t.code_bits}-bit codes unpack at head_dim {wide[0]}; use a group_size that divides it or remove {wide}",
             )
     return scheme
 

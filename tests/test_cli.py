@@ -320,7 +320,7 @@ BAD = {
     "float": (_edit(INT8, "bits: 8}", "bits: 8.0}"), "got 8.0"),
     "combination": (
         _edit(INT8, "scale: minmax", "scale: norm"),
-        "key.scale: codebook kind uniform is an affine grid and needs scale: minmax",
+        "key.scale: codebook kind uniform is an integer grid and needs scale: minmax or absmax",
     ),
     "residual_overflow": (
         _edit("turbo_qjl_k3v3", "bits: 2,", "bits: 8,"),
@@ -649,7 +649,14 @@ def test_damaged_files_build_or_fail_cleanly(case):
 # --------------------------------------------------------------------------------------------------------------
 # list and explain
 
-BYTES_128 = {"int4_token": 136, "int8_token": 264, "turbo_k4mse_v2": 100, "turbo_k4v2": 102, "turbo_qjl_k3v3": 102}
+# By hand: codes head_dim * bits / 8, plus 2 bytes per metadata field and scale group (q8_0's K: 128 + 4 * 2).
+BYTES_128 = {
+    "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
+    "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
+    "turbo_k4v2": 102, "turbo_qjl_k3v3": 102,
+}
+BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
+            "turbo_k4mse_v2": 52, "turbo_k4v2": 54}
 
 
 def test_list_prints_one_line_per_scheme(monkeypatch):
@@ -671,10 +678,13 @@ def test_list_other_head_dims(tmp_path):
     paths = [str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES]
     status, out, _ = run("list", *paths, "--head-dim", "64")
     assert status == 0 and len(out.splitlines()) == 1 + len(SCHEMES)
-    rows = out.splitlines()[1:]
-    assert [r.split()[3] for r in rows[:4]] == ["72", "136", "52", "54"]
-    # turbo_qjl_k3v3's 3-bit codes have a 1-bit plane, which needs head_dim >= 128 (102 bytes there: BYTES_128).
-    assert rows[4].split()[0] == "turbo_qjl_k3v3" and "not built for head_dim 64; built for [128, 256]" in rows[4]
+    rows = {r.split()[0]: r for r in out.splitlines()[1:]}
+    for name, row in rows.items():
+        if name in BYTES_64:
+            assert row.split()[3] == str(BYTES_64[name])
+        else:
+            # 3-bit codes have a 1-bit plane, which needs head_dim >= 128 (and uint2's groups of 32 likewise).
+            assert "not built for head_dim 64; built for [128, 256]" in row, row
     status, out, _ = run("list", *paths, "--head-dim", "96")
     rows = out.splitlines()[1:]
     assert status == 0 and len(rows) == len(SCHEMES) and all("not built for head_dim 96" in r for r in rows)
@@ -696,7 +706,7 @@ def test_explain_turbo_k4v2(capsys):
 
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
-NOT_BUILT = {("turbo_qjl_k3v3", 64)}
+NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q8_0_q3_0", "metal_uint2_q2_0")}
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -708,7 +718,7 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     assert (head_dim in scheme.head_dims) == ((name, head_dim) not in NOT_BUILT), scheme.head_dims
     shown = 256 if (name, head_dim) in NOT_BUILT else head_dim  # a head_dim not built for falls back to 256
     # From first principles: codes at code_bits per coordinate, plus 2 bytes per metadata value, K and V.
-    expected = sum(t.code_bits * shown // 8 + 2 * len(t.metadata) for t in (scheme.key, scheme.value))
+    expected = sum(t.code_bits * shown // 8 + 2 * len(t.metadata) * t.groups(shown) for t in (scheme.key, scheme.value))
     assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * shown})" in out
     assert f"shown for head_dim {shown}" in out
     for side in ("key", "value"):

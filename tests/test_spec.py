@@ -244,7 +244,7 @@ FIELD_ERRORS = [
     ("int8_token", _set(("key", "rotaton"), "hadamard"), "key.rotaton", "unknown field; did you mean 'rotation'?"),
     ("int8_token", _set(("colour",), "blue"), "colour", "unknown field; expected one of version, name"),
     ("int8_token", _set(("key", "codebook", "kind"), "unifrom"), "key.codebook.kind", "(did you mean 'uniform'?)"),
-    ("int8_token", _set(("key", "codebook", "kind"), 3), "key.codebook.kind", "expected one of lloyd_max, uniform, got 3"),
+    ("int8_token", _set(("key", "codebook", "kind"), 3), "key.codebook.kind", "expected one of lloyd_max, uniform, fp8, got 3"),
     ("int8_token", _set(("key", "rotation"), "hadamrd"), "key.rotation.kind", "did you mean 'hadamard'?"),
     ("int8_token", _set(("key", "rotation"), {"kind": "none", "seed": 3}), "key.rotation.seed", "only meaningful with kind: hadamard"),
     ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "seed": -1}), "key.rotation.seed", "expected an integer 0..4294967295"),
@@ -254,7 +254,27 @@ FIELD_ERRORS = [
     ("int8_token", _set(("key", "rotation"), None), "key.rotation", "expected a mapping"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel"}), "key.scale.axis", "per-channel scales are not supported"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "head"}), "key.scale.axis", "expected one of token, channel"),
-    ("int8_token", _set(("key", "scale"), "norm"), "key.scale", "uniform is an affine grid and needs scale: minmax"),
+    ("int8_token", _set(("key", "scale"), "norm"), "key.scale", "uniform is an integer grid and needs scale: minmax or absmax"),
+    ("int8_token", _set(("key", "scale"), {"kind": "norm", "group_size": 32}), "key.scale.group_size", "covers the whole head"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 24}), "key.scale.group_size", "expected a power of two"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 1}), "key.scale.group_size", "expected an integer 2..256"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 512}), "key.scale.group_size", "got 512"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "must divide the 64-column chunks"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", None),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "unbiased": True}), "key.scale.unbiased", "only meaningful with kind: norm"),
+    ("int8_token", _set(("key", "scale"), {"kind": "absmax"}), "key.scale", None),  # symmetric int8 (q8_0)
+    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", "must divide the 32-column chunks"),
+    ("int4_token", _set(("key", "packing"), "interleaved"), "key.packing", None),
+    ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 4}), "key.codebook", None),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3"}), "key.scale", "fp8 needs scale: absmax"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8"}), "key.codebook.format", "missing required field"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m2"}), "key.codebook.format", "did you mean"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "bits": 4}), "key.codebook.bits", "expected an integer 8..8"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "law": "sphere"}), "key.codebook.law", "only meaningful with kind: lloyd_max"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 8, "format": "e5m2"}), "key.codebook.format", "only meaningful with kind: fp8"),
+    ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale", None),
+    ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": "yes"}), "key.scale.unbiased", "expected true or false"),
+    ("turbo_qjl_k3v3", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale.unbiased", "already unbiased"),
     ("int8_token", _set(("key", "codebook", "law"), "gaussian"), "key.codebook.law", "only meaningful with kind: lloyd_max"),
     ("int8_token", _set(("key", "residual"), "sign"), "key.residual", "needs codebook kind lloyd_max"),
     ("int8_token", _set(("key", "residual"), {"kind": "sign", "seed": 1}), "key.residual.seed", "only meaningful with kind: qjl"),
@@ -465,11 +485,17 @@ def test_scheme_error_format():
 @st.composite
 def tensor_specs(draw):
     """Any legal K or V description, in a random mix of long and short spellings."""
-    kind = draw(st.sampled_from(["lloyd_max", "uniform"]))
-    bits = draw(st.integers(1, 8))
+    kind = draw(st.sampled_from(["lloyd_max", "uniform", "fp8"]))
+    bits = 8 if kind == "fp8" else draw(st.integers(1, 8))
     codebook: dict = {"kind": kind, "bits": bits}
-    if kind == "uniform":
-        scale, residual = "minmax", "none"
+    extra: dict = {}  # optional scale fields
+    if kind == "fp8":
+        scale, residual = "absmax", "none"
+        codebook["format"] = draw(st.sampled_from(["e4m3", "e5m2"]))
+        if draw(st.booleans()):
+            del codebook["bits"]
+    elif kind == "uniform":
+        scale, residual = draw(st.sampled_from(["minmax", "absmax"] if bits >= 2 else ["minmax"])), "none"
     else:
         scale = "norm"
         law = draw(st.sampled_from([None, "gaussian", "sphere"]))
@@ -479,6 +505,10 @@ def tensor_specs(draw):
             levels = draw(st.lists(st.integers(-16000, 16000), min_size=2**bits, max_size=2**bits, unique=True))
             codebook["centroids"] = sorted(c / 1000 for c in levels)
         residual = draw(st.sampled_from(["none", "sign", "qjl"])) if bits < 8 else "none"
+        if residual != "qjl" and draw(st.booleans()):
+            extra["unbiased"] = draw(st.booleans())
+    if scale != "norm" and draw(st.booleans()):
+        extra["group_size"] = draw(st.sampled_from([2, 4, 8, 16]))
     code_bits = bits + (residual != "none")
     out: dict = {}
     rotation = draw(st.sampled_from(["omit", "none", "hadamard", "full"]))
@@ -486,13 +516,13 @@ def tensor_specs(draw):
         out["rotation"] = {"kind": "hadamard", "signs": draw(st.booleans()), "seed": draw(st.integers(0, 2**32 - 1))}
     elif rotation != "omit":
         out["rotation"] = rotation if draw(st.booleans()) else {"kind": rotation}
-    out["scale"] = scale if draw(st.booleans()) else {"kind": scale, "axis": "token"}
+    out["scale"] = scale if not extra and draw(st.booleans()) else {"kind": scale, "axis": "token", **extra}
     out["codebook"] = codebook
     if residual == "qjl" and draw(st.booleans()):
         out["residual"] = {"kind": "qjl", "seed": draw(st.integers(0, 2**32 - 1))}
     elif residual != "none" or draw(st.booleans()):
         out["residual"] = residual
-    packings = ["interleaved", "split"] if code_bits in (1, 2, 4, 8) else [DEFAULT_PACKING]
+    packings = ["interleaved", "split"] if code_bits in (1, 2, 4, 8) and not (extra.get("group_size") and code_bits < 8) else [DEFAULT_PACKING]
     packing = draw(st.sampled_from(packings + ["omit"]))
     if packing != "omit":
         out["packing"] = packing
@@ -503,8 +533,10 @@ def _min_head_dim(tensor: dict) -> int:
     """The smallest head_dim a tensor spec allows: its narrowest bit plane must give 16-column chunks."""
     residual = tensor.get("residual", "none")
     residual = residual["kind"] if isinstance(residual, dict) else residual
-    bits = tensor["codebook"]["bits"] + (residual != "none")
-    return 128 // min(b for b in (1, 2, 4, 8) if bits & b)
+    bits = tensor["codebook"].get("bits", 8) + (residual != "none")
+    narrowest = min(b for b in (1, 2, 4, 8) if bits & b)
+    group = tensor["scale"].get("group_size", 1) if isinstance(tensor["scale"], dict) else 1
+    return max(128, 8 * group) // narrowest  # and each chunk holds whole scale groups
 
 
 @st.composite
@@ -547,13 +579,13 @@ def test_valid_schemes_round_trip(data):
     for side in ("key", "value"):
         t = getattr(scheme, side)
         assert 1 <= t.code_bits <= 8
-        assert t.metadata in (("scale", "zero"), ("norm",), ("norm", "residual_rms"), ("norm", "residual_norm"))
+        assert t.metadata in (("scale", "zero"), ("scale",), ("norm",), ("norm", "residual_rms"), ("norm", "residual_norm"))
 
 
 _keys = st.text(st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=10)
 _anything = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-    | st.sampled_from(["hadamard", "norm", "minmax", "lloyd_max", "uniform", "sign", "qjl", "split", "gaussian", 64, 128, 1]),
+    | st.sampled_from(["hadamard", "norm", "minmax", "absmax", "lloyd_max", "uniform", "fp8", "e4m3", "sign", "qjl", "split", "gaussian", 64, 128, 1]),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(_keys | st.sampled_from(["kind", "bits", "scale", "codebook"]), c, max_size=4),
     max_leaves=12,
 )

@@ -1,0 +1,305 @@
+"""LMDeploy's PyTorch-engine KV-cache kernels, backed by a kvqc generated module.
+
+    import kvqc.lmdeploy
+    uninstall = kvqc.lmdeploy.install("turbo_k4v2", quant_policy=42)   # before the pipeline is built
+    pipe = lmdeploy.pipeline(model, backend_config=PytorchEngineConfig(quant_policy=42))
+    ...
+    uninstall()
+
+Written against lmdeploy 0.18 (`lmdeploy.pytorch.kernels.cuda`): `fill_kv_cache`, `flatten_kv_cache` and
+`flash_attn_with_kvcache` here take that release's arguments (block_offsets, q_start_loc, q_seq_length,
+kv_seq_length, max_q_seq_length, k_scales_zeros, v_scales_zeros, quant_policy, kv_layout) and write or return
+what LMDeploy's do. Nothing is imported from lmdeploy until `install()` runs.
+
+Caches: LMDeploy allocates, per layer, k_cache [num_blocks, block_size, num_kv_heads, ...] uint8, v_cache likewise,
+and k_scales_zeros / v_scales_zeros [..., fields] in the model dtype. For the policies below those are exactly a
+kvqc KVCache(key_codes=k_cache, key_meta=k_scales_zeros, value_codes=v_cache, value_meta=v_scales_zeros), so the
+adapter wraps the engine's own tensors (no copies):
+
+    quant_policy  LMDeploy allocates per token and head        kvqc scheme   same bytes as LMDeploy?
+    42            K d/2 + 2 meta, V d/4 + 1 meta               turbo_k4v2    yes (tests/test_lmdeploy.py)
+    4             K d/2 + 2 meta, V d/2 + 2 meta               int4_token    no: kvqc stores zero = row minimum
+    8             K d + 2 meta,   V d + 2 meta                 int8_token    no: kvqc stores zero = row minimum
+
+(LMDeploy stores zero = -min / scale.) A scheme that only shares the layout is refused unless
+`allow_incompatible=True`: then every reader of the cache must be kvqc's, since LMDeploy's own kernels would
+misread it. Other schemes (other bit widths or metadata) do not fit LMDeploy's allocation and are refused.
+
+LMDeploy 0.18 packs every layer's four cache tensors of a block into one pool, so each tensor is a strided view;
+kvqc's kernels need contiguous tensors, so `install(contiguous_cache=True)` (the default) also switches LMDeploy's
+cache allocation to its own ContiguousBlockCacheLayout (the layout its dlinfer backend uses).
+
+flatten_kv_cache under quant_policy=42 returns K/V in the Hadamard-rotated basis, as LMDeploy's does (its prefill
+rotates the query and un-rotates the output around it); kvqc's flatten works in the input basis, so the adapter
+rotates its output once more. flash_attn_with_kvcache with one query token per sequence runs the scheme's decode
+kernel; with several (speculative or block-sparse decoding) it flattens and attends in torch, causally from the
+end when causal=True, over the whole cache otherwise (what LMDeploy's kernel does).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import paged
+
+LMDEPLOY_VERSION = "0.18"
+# quant_policy -> (key code bits, key metadata fields, value code bits, value metadata fields, kvqc scheme)
+POLICIES = {
+    42: (4, 2, 2, 1, "turbo_k4v2"),
+    4: (4, 2, 4, 2, "int4_token"),
+    8: (8, 2, 8, 2, "int8_token"),
+}
+BYTE_COMPATIBLE = {42: "turbo_k4v2"}  # tested against a re-implementation of LMDeploy's algorithm
+_KERNELS = ("fill_kv_cache", "flatten_kv_cache", "flash_attn_with_kvcache")
+
+
+def slot_mapping(
+    num_tokens: int,
+    q_start_loc: torch.Tensor,
+    q_seq_length: torch.Tensor,
+    kv_seq_length: torch.Tensor,
+    max_q_seq_length: int,
+    block_offsets: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """kvqc's slot_mapping [num_tokens] (int64, -1 = skip) from LMDeploy's fill arguments, without a host sync.
+
+    Sequence i's new tokens are rows q_start_loc[i] .. + q_seq_length[i] - 1 of the states and positions
+    kv_seq_length[i] - q_seq_length[i] .. kv_seq_length[i] - 1 of the sequence; position p lives in block
+    block_offsets[i, p // block_size] at offset p % block_size. Rows no sequence claims (padding) get -1.
+    """
+    device = block_offsets.device
+    width = block_offsets.shape[1]
+    j = torch.arange(max(int(max_q_seq_length), 0), device=device)[None, :]
+    q_len = q_seq_length.to(device=device, dtype=torch.int64)[:, None]
+    position = kv_seq_length.to(device=device, dtype=torch.int64)[:, None] - q_len + j
+    row = q_start_loc.to(device=device, dtype=torch.int64)[:, None] + j
+    wanted = (j < q_len) & (position >= 0)
+    column = torch.div(position, block_size, rounding_mode="floor")
+    if paged.checking(device) and bool((wanted & (column >= width)).any()):
+        seq = int((wanted & (column >= width)).any(1).nonzero()[0])
+        raise ValueError(f"block_offsets: sequence {seq} reaches past its {width} columns (kv_seq_length too large?)")
+    if paged.checking(device) and bool((wanted & ((row < 0) | (row >= num_tokens))).any()):
+        raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
+    valid = wanted & (column < width) & (row >= 0) & (row < num_tokens)
+    block = block_offsets.to(torch.int64).gather(1, column.clamp(0, max(width - 1, 0)))
+    slot = torch.where(valid, block * block_size + position % block_size, -1)
+    out = torch.full((num_tokens + 1,), -1, dtype=torch.int64, device=device)
+    out.scatter_(0, torch.where(valid, row, num_tokens).reshape(-1), slot.reshape(-1))  # row num_tokens: a sink
+    return out[:num_tokens]
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """LMDeploy's TurboQuant rotation Q = H / sqrt(d), Sylvester's H (symmetric, so Q = Q^T)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(head_dim)).to(device)
+
+
+class Kernels:
+    """fill_kv_cache / flatten_kv_cache / flash_attn_with_kvcache bound to one generated module and quant_policy."""
+
+    def __init__(self, module: ModuleType, quant_policy: int, allow_incompatible: bool = False):
+        quant_policy = int(quant_policy)
+        if quant_policy not in POLICIES:
+            raise ValueError(
+                f"quant_policy: kvqc maps LMDeploy's {sorted(POLICIES)} onto its caches, got {quant_policy} "
+                "(start LMDeploy with one of those)"
+            )
+        key_bits, key_fields, value_bits, value_fields, twin = POLICIES[quant_policy]
+        name = module.SCHEME["name"]
+        layout = (module.KEY_CODE_BITS, len(module.KEY_METADATA), module.VALUE_CODE_BITS, len(module.VALUE_METADATA))
+        if layout != (key_bits, key_fields, value_bits, value_fields):
+            raise ValueError(
+                f"module: {name} stores K {layout[0]} bits + {layout[1]} fields, V {layout[2]} bits + {layout[3]} "
+                f"fields; LMDeploy's quant_policy={quant_policy} cache has K {key_bits} + {key_fields}, V "
+                f"{value_bits} + {value_fields} (use {twin} or another quant_policy)"
+            )
+        if not (allow_incompatible or _same_scheme(module, BYTE_COMPATIBLE.get(quant_policy))):
+            raise ValueError(
+                f"module: {name} fits LMDeploy's quant_policy={quant_policy} cache shapes but not its bytes "
+                "(LMDeploy's own kernels would misread it); pass allow_incompatible=True if only kvqc reads the cache"
+            )
+        self.module, self.quant_policy = module, quant_policy
+
+    # -- LMDeploy's signatures (lmdeploy 0.18, lmdeploy/pytorch/kernels/cuda/{fill_kv_cache,flatten_kv_cache,
+    #    pagedattention}.py)
+
+    def fill_kv_cache(self, k_states, v_states, k_caches, v_caches, q_start_loc, q_seq_length, kv_seq_length,
+                      max_q_seq_length, block_offsets, k_scales_zeros=None, v_scales_zeros=None, quant_policy=0,
+                      kv_layout="bshd"):
+        """Quantize the new tokens' K/V into the cache in place."""
+        self._check_call(quant_policy, kv_layout)
+        if v_states is None or v_caches is None:
+            raise NotImplementedError("v_states: kvqc caches hold K and V; shared-KV (MLA) layers are not supported")
+        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, k_states.shape[-1])
+        slots = slot_mapping(k_states.shape[0], q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length,
+                             block_offsets, cache.block_size)
+        self.module.fill(cache, k_states, v_states, slots)
+
+    def flatten_kv_cache(self, k_caches, v_caches, seqlens, block_offsets, start_loc=None, out_size=None,
+                         out_dtype=None, k_scales_zeros=None, v_scales_zeros=None, quant_policy=0, kv_layout="bshd",
+                         flatten_kv_layout="hsd"):
+        """Dequantized K, V: [num_kv_heads, out_size, head_dim] ('hsd') or [out_size, num_kv_heads, head_dim]
+        ('shd'); sequence i at rows start_loc[i] ..; rows no sequence covers are zero."""
+        self._check_call(quant_policy, kv_layout)
+        if flatten_kv_layout not in ("hsd", "shd"):
+            raise ValueError(f"flatten_kv_layout: expected 'hsd' or 'shd', got {flatten_kv_layout!r}")
+        head_dim = k_caches.shape[-1] * 8 // self.module.KEY_CODE_BITS
+        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, head_dim)
+        key, value = self.module.flatten(cache, block_offsets, seqlens)  # [sum(seqlens), H, d], input basis
+        if self.quant_policy == 42:
+            q = _rotation(head_dim, key.device)
+            key, value = (key.float() @ q).to(key.dtype), (value.float() @ q).to(value.dtype)
+        lens = seqlens.to(torch.int64)
+        total = key.shape[0]
+        if start_loc is None:
+            start_loc = torch.cumsum(lens, 0) - lens
+        if out_size is None or out_size <= 0:
+            out_size = cache.num_blocks * cache.block_size
+        out_dtype = out_dtype or cache.dtype
+        within = torch.arange(total, device=key.device) - (torch.cumsum(lens, 0) - lens).repeat_interleave(
+            lens, output_size=total)
+        row = start_loc.to(torch.int64).repeat_interleave(lens, output_size=total) + within
+        if total and int(row.max()) >= out_size:
+            raise ValueError(f"out_size: {out_size} rows cannot hold the sequences at start_loc (need {int(row.max()) + 1})")
+        heads = cache.num_kv_heads
+        outs = []
+        for x in (key, value):
+            if flatten_kv_layout == "hsd":
+                out = torch.zeros(heads, out_size, head_dim, dtype=out_dtype, device=key.device)
+                out.index_copy_(1, row, x.transpose(0, 1).to(out_dtype))
+            else:
+                out = torch.zeros(out_size, heads, head_dim, dtype=out_dtype, device=key.device)
+                out.index_copy_(0, row, x.to(out_dtype))
+            outs.append(out)
+        return outs[0], outs[1]
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q=None,
+                                max_seqlen_q=None, softmax_scale=None, causal=False, window_size=None, softcap=None,
+                                scheduler_metadata=None, alibi_slopes=None, k_scales_zeros=None, v_scales_zeros=None,
+                                quant_policy=0, sinks=None, kv_layout="bshd"):
+        """Attention of q [batch * seq_len, num_heads, head_dim] over the cache; returns q's shape and dtype."""
+        self._check_call(quant_policy, kv_layout)
+        window = window_size[0] if isinstance(window_size, Sequence) else window_size
+        if window is not None and window > 0:
+            raise NotImplementedError("window_size: kvqc attends over whole sequences (no sliding window)")
+        if softcap is not None and softcap > 0:
+            raise NotImplementedError("softcap: kvqc's decode has no logit soft-capping")
+        if alibi_slopes is not None or sinks is not None:
+            raise NotImplementedError("alibi_slopes / sinks: not supported by kvqc's decode")
+        cache = self._cache(k_cache, k_scales_zeros, v_cache, v_scales_zeros, q.shape[-1])
+        batch, num_tokens = cache_seqlens.shape[0], q.shape[0]
+        if batch == 0 or num_tokens % batch:
+            raise ValueError(f"q: {num_tokens} tokens do not split evenly over {batch} sequences (decoding only)")
+        seq_len = num_tokens // batch
+        if max_seqlen_q is not None and max_seqlen_q != seq_len:
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q}, but q has {seq_len} tokens per sequence")
+        if seq_len == 1:
+            return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale)
+        key, value = self.module.flatten(cache, page_table, cache_seqlens)
+        return paged.attend(q, key, value, [seq_len] * batch, cache_seqlens.tolist(), softmax_scale, causal)
+
+    # -- helpers
+
+    def _check_call(self, quant_policy, kv_layout) -> None:
+        if int(quant_policy) != self.quant_policy:
+            raise ValueError(
+                f"quant_policy: kvqc was installed for {self.quant_policy}, LMDeploy passed {int(quant_policy)} "
+                f"(start LMDeploy with quant_policy={self.quant_policy})"
+            )
+        if kv_layout != "bshd":
+            raise ValueError(f"kv_layout: kvqc caches are 'bshd', got {kv_layout!r}")
+
+    def _cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int):
+        if key_meta is None or value_meta is None:
+            raise ValueError("k_scales_zeros: kvqc needs LMDeploy's per-token metadata tensors (a quantized cache)")
+        for name, t in (("k_cache", key_codes), ("v_cache", value_codes), ("k_scales_zeros", key_meta),
+                        ("v_scales_zeros", value_meta)):
+            if t.dim() == 4 and not t.is_contiguous():
+                raise ValueError(
+                    f"{name}: a strided view (strides {t.stride()}); kvqc's kernels need contiguous caches, so let "
+                    "install(contiguous_cache=True) switch LMDeploy to contiguous allocation"
+                )
+        return self.module.KVCache(key_codes=key_codes, key_meta=key_meta, value_codes=value_codes,
+                                   value_meta=value_meta, head_dim=head_dim)
+
+
+def _same_scheme(module: ModuleType, name: str | None) -> bool:
+    """Whether the module quantizes exactly as the named shipped scheme (its key and value definitions)."""
+    if name is None:
+        return False
+    twin = paged.load_module(name)
+    return module.SCHEME["key"] == twin.SCHEME["key"] and module.SCHEME["value"] == twin.SCHEME["value"]
+
+
+def kernels(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy: int = 42, *,
+            allow_incompatible: bool = False) -> Kernels:
+    """The three LMDeploy kernels bound to a generated module (a module, scheme name, .py or .yaml path)."""
+    return Kernels(paged.load_module(module_or_name), quant_policy, allow_incompatible)
+
+
+def install(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy: int = 42, *,
+            allow_incompatible: bool = False, contiguous_cache: bool = True) -> Callable[[], None]:
+    """Swap LMDeploy's fill / flatten / paged-attention kernels for kvqc's; returns a function that undoes it.
+
+    Call it in the process that runs the model, before the engine is built: LMDeploy's attention layers look the
+    kernels up when they are constructed. Every lmdeploy module holding one of the three functions by name gets
+    the replacement (the kernels package, the modules defining them, and any module that imported them).
+    """
+    bound = kernels(module_or_name, quant_policy, allow_incompatible=allow_incompatible)
+    try:
+        package = importlib.import_module("lmdeploy.pytorch.kernels.cuda")
+    except ImportError:
+        raise ImportError(
+            f"kvqc.lmdeploy.install needs LMDeploy's PyTorch engine: pip install 'lmdeploy=={LMDEPLOY_VERSION}.*'"
+        ) from None
+    version = getattr(sys.modules.get("lmdeploy"), "__version__", "unknown")
+    if not str(version).startswith(LMDEPLOY_VERSION + "."):
+        warnings.warn(f"kvqc.lmdeploy follows lmdeploy {LMDEPLOY_VERSION}.x; found {version}", stacklevel=2)
+    undo: list[tuple[object, str, object]] = []  # (owner, attribute, previous value)
+    originals = {name: getattr(package, name) for name in _KERNELS}
+    for mod in [m for n, m in list(sys.modules.items()) if n == "lmdeploy" or n.startswith("lmdeploy.")]:
+        for name, original in originals.items():
+            if mod is not None and getattr(mod, name, None) is original:
+                undo.append((mod, name, original))
+                setattr(mod, name, getattr(bound, name))
+    if contiguous_cache:
+        undo.append(_contiguous_cache_layout())
+
+    def uninstall() -> None:
+        while undo:
+            owner, name, previous = undo.pop()
+            setattr(owner, name, previous)
+
+    return uninstall
+
+
+def _contiguous_cache_layout() -> tuple[object, str, object]:
+    """Make LMDeploy 0.18 give each layer's cache tensors their own contiguous storage."""
+    try:
+        backend = importlib.import_module("lmdeploy.pytorch.backends.default.cache").DefaultCacheBackend
+        contiguous = importlib.import_module("lmdeploy.pytorch.engine.cache_engine.layout").ContiguousBlockCacheLayout
+    except (ImportError, AttributeError):
+        raise ImportError(
+            f"contiguous_cache: lmdeploy {LMDEPLOY_VERSION}'s cache layout classes were not found; pass "
+            "contiguous_cache=False if this lmdeploy already allocates contiguous per-layer caches"
+        ) from None
+    previous = backend.__dict__["build_block_layout"]
+
+    def build_block_layout(cls, tensor_specs, num_layers: int):
+        return contiguous(tuple(tensor_specs), num_layers=num_layers)
+
+    backend.build_block_layout = classmethod(build_block_layout)
+    return backend, "build_block_layout", previous

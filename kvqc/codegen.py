@@ -83,6 +83,7 @@ def render(scheme: Scheme) -> str:
         describe=describe,
         example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
         generator_source=_generator_source(),
+        paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)

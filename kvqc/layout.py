@@ -39,6 +39,19 @@ class SideLayout:
 
     name: str  # "key" or "value"
     scheme: TensorScheme
+    # Some head_dim is not a power of two: kernels work on chunks padded to one (Triton ranges must be), in a
+    # position space of next_power_of_2(head_dim) columns, masking the padding out of every load and store.
+    padded: bool = False
+
+    @property
+    def chunk_pad(self) -> str:
+        """The constexpr holding a chunk's width in position space (padded or not)."""
+        return f"{self.name.upper()}_CHUNK_PAD" if self.padded else f"{self.name.upper()}_CHUNK"
+
+    @property
+    def head_pad(self) -> str:
+        """The constexpr holding head_dim in position space."""
+        return "HEAD_PAD" if self.padded else "HEAD_DIM"
 
     @property
     def code_bits(self) -> int:
@@ -165,6 +178,10 @@ class Layout:
     value: SideLayout
 
     @property
+    def padded(self) -> bool:
+        return self.key.padded
+
+    @property
     def sides(self) -> tuple[SideLayout, SideLayout]:
         return (self.key, self.value)
 
@@ -177,8 +194,9 @@ class Layout:
 
 
 def plan(scheme: Scheme) -> Layout:
+    padded = any(d & (d - 1) for d in scheme.head_dims)
     return Layout(
         scheme,
-        SideLayout("key", scheme.key),
-        SideLayout("value", scheme.value),
+        SideLayout("key", scheme.key, padded),
+        SideLayout("value", scheme.value, padded),
     )

@@ -41,18 +41,18 @@ class SideReference:
             else None
         )
 
-    # -- rotation (coordinate order; y = H D x / sqrt(d))
+    # -- rotation (coordinate order; y = H D x / sqrt(d), H H^T = d I; Paley-Kronecker H for 80, 96)
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self.s.rotation.kind == "none":
             return x
         if self.signs is not None:
             x = x * self.signs
-        return rotation.fwht(x) / math.sqrt(self.d)
+        return rotation.hadamard_transform(x) / math.sqrt(self.d)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         if self.s.rotation.kind == "none":
             return y
-        x = rotation.fwht(y) / math.sqrt(self.d)
+        x = rotation.hadamard_transform(y, transpose=True) / math.sqrt(self.d)
         return x * self.signs if self.signs is not None else x
 
     # -- packing

@@ -78,10 +78,63 @@ def _check_power_of_two(d: int) -> None:
         raise ValueError(f"dimension must be a power of two, got {d}")
 
 
+# Hadamard orders that are not powers of two: 12 * 2^k and 20 * 2^k (80 = 20 * 4, 96 = 12 * 8).
+PALEY_ORDERS = (12, 20)
+
+
+def paley_hadamard(n: int) -> list[list[int]]:
+    """Paley's construction I of a Hadamard matrix of order n = q + 1, q a prime = 3 (mod 4): H = I + S with
+    S = [[0, 1...], [-1..., Q]] and Q the Jacobsthal matrix Q[i][j] = chi(j - i), chi the quadratic character mod q.
+    Entries +-1, H H^T = n I (not symmetric)."""
+    q = n - 1
+    if q < 3 or q % 4 != 3 or any(q % k == 0 for k in range(2, int(q**0.5) + 1)):
+        raise ValueError(f"Paley's construction needs n - 1 a prime = 3 mod 4, got n = {n}")
+    squares = {(k * k) % q for k in range(1, q)}
+    chi = [0] + [1 if k in squares else -1 for k in range(1, q)]
+    h = [[1] * n]
+    for i in range(q):
+        h.append([-1] + [(1 if i == j else 0) + chi[(j - i) % q] for j in range(q)])
+    h[0][0] = 1
+    return h
+
+
+def hadamard_factors(d: int) -> tuple[int, int]:
+    """d = m * p with p a power of two and m in (1,) + PALEY_ORDERS: the rotation is H_m (x) H_p (Sylvester's H_p)."""
+    for m in (1,) + PALEY_ORDERS:
+        p = d // m
+        if d % m == 0 and p >= 1 and not p & (p - 1):
+            return m, p
+    raise ValueError(f"no Hadamard matrix of order {d} here: expected 2^k, 12 * 2^k or 20 * 2^k")
+
+
 def hadamard_matrix(d: int) -> list[list[float]]:
-    """Unnormalised Sylvester Hadamard matrix, ``H[i][j] = (-1)**popcount(i & j)``."""
-    _check_power_of_two(d)
-    return [[-1.0 if bin(i & j).count("1") & 1 else 1.0 for j in range(d)] for i in range(d)]
+    """Unnormalised Hadamard matrix of order d: Sylvester's ``H[i][j] = (-1)**popcount(i & j)`` for powers of two,
+    else Paley's H_m (x) Sylvester's H_p (``hadamard_factors``)."""
+    m, p = hadamard_factors(d)
+    sylvester = [[-1.0 if bin(i & j).count("1") & 1 else 1.0 for j in range(p)] for i in range(p)]
+    if m == 1:
+        return sylvester
+    paley = paley_hadamard(m)
+    return [[paley[i // p][j // p] * sylvester[i % p][j % p] for j in range(d)] for i in range(d)]
+
+
+def hadamard_transform(x: "torch.Tensor", transpose: bool = False) -> "torch.Tensor":
+    """Unnormalised ``x @ H^T`` (each row mapped by H), or ``x @ H`` with transpose, over the last dim.
+
+    Powers of two run the fast butterfly (Sylvester's H is symmetric); other orders apply H_m (x) H_p as two small
+    products on x viewed as [m, p]: (H_m (x) H_p) vec(X) = vec(H_m X H_p^T).
+    """
+    import torch
+
+    d = x.shape[-1]
+    m, p = hadamard_factors(d)
+    if m == 1:
+        return fwht(x)
+    h_m = torch.tensor(paley_hadamard(m), dtype=x.dtype)
+    if transpose:
+        h_m = h_m.t()
+    y = fwht(x.reshape(*x.shape[:-1], m, p))  # X H_p^T (symmetric)
+    return torch.matmul(h_m, y).reshape(x.shape)
 
 
 def fwht(x: "torch.Tensor") -> "torch.Tensor":

@@ -655,6 +655,7 @@ BYTES_128 = {
     "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
     "turbo_k4v2": 102, "turbo_qjl_k3v3": 102,
 }
+NOT_AT_128 = ("turbo_k4v2_d80_96",)
 BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
             "turbo_k4mse_v2": 52, "turbo_k4v2": 54}
 
@@ -667,6 +668,9 @@ def test_list_prints_one_line_per_scheme(monkeypatch):
     assert "scheme" in header and "bytes/token" in header and "head_dim 128" in header
     assert [row.split()[0] for row in rows] == SCHEMES
     for row in rows:
+        if row.split()[0] in NOT_AT_128:
+            assert "(not built for head_dim 128; built for [80, 96])" in row
+            continue
         name, kbits, vbits, nbytes, ratio = row.split()
         scheme = load_scheme(SCHEME_DIR / f"{name}.yaml")
         assert (float(kbits), float(vbits)) == pytest.approx(scheme.bits_per_coordinate(128), abs=5e-4)
@@ -682,12 +686,19 @@ def test_list_other_head_dims(tmp_path):
     for name, row in rows.items():
         if name in BYTES_64:
             assert row.split()[3] == str(BYTES_64[name])
+        elif name in NOT_AT_128:
+            assert "not built for head_dim 64; built for [80, 96]" in row, row
         else:
             # 3-bit codes have a 1-bit plane, which needs head_dim >= 128 (and uint2's groups of 32 likewise).
             assert "not built for head_dim 64; built for [128, 256]" in row, row
     status, out, _ = run("list", *paths, "--head-dim", "96")
     rows = out.splitlines()[1:]
-    assert status == 0 and len(rows) == len(SCHEMES) and all("not built for head_dim 96" in r for r in rows)
+    assert status == 0 and len(rows) == len(SCHEMES)
+    for row in rows:
+        if row.startswith("turbo_k4v2_d80_96"):  # 96 * 4 / 8 + 2 * 2 (K) + 96 * 2 / 8 + 2 (V) = 78 bytes
+            assert row.split()[1:4] == ["4.333", "2.167", "78"], row
+        else:
+            assert "not built for head_dim 96" in row
 
 
 def test_explain_turbo_k4v2(capsys):
@@ -707,6 +718,7 @@ def test_explain_turbo_k4v2(capsys):
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
 NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q8_0_q3_0", "metal_uint2_q2_0")}
+NOT_BUILT |= {("turbo_k4v2_d80_96", d) for d in (64, 128, 256)}
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -716,7 +728,8 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     out = capsys.readouterr().out
     scheme = load_scheme(SCHEME_DIR / f"{name}.yaml")
     assert (head_dim in scheme.head_dims) == ((name, head_dim) not in NOT_BUILT), scheme.head_dims
-    shown = 256 if (name, head_dim) in NOT_BUILT else head_dim  # a head_dim not built for falls back to 256
+    # A head_dim not built for falls back to the scheme's largest.
+    shown = scheme.head_dims[-1] if (name, head_dim) in NOT_BUILT else head_dim
     # From first principles: codes at code_bits per coordinate, plus 2 bytes per metadata value, K and V.
     expected = sum(t.code_bits * shown // 8 + 2 * len(t.metadata) * t.groups(shown) for t in (scheme.key, scheme.value))
     assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * shown})" in out

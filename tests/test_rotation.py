@@ -6,6 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvqc import rotation
 from kvqc.rotation import fwht, gaussian_matrix, hadamard_matrix, sign_vector, splitmix64, uniform
 
 RENDERED = (splitmix64, uniform, gaussian_matrix)
@@ -108,8 +109,9 @@ def test_hadamard_orthogonal(d):
 
 @pytest.mark.parametrize("d", [0, 3, 6, 12, -4])
 def test_not_power_of_two(d):
-    with pytest.raises(ValueError):
-        hadamard_matrix(d)
+    if d != 12:  # 12 is Paley's order (tests below); the fast butterfly still refuses it
+        with pytest.raises(ValueError):
+            hadamard_matrix(d)
     if d > 0:
         with pytest.raises(ValueError):
             fwht(torch.zeros(2, d))
@@ -136,3 +138,43 @@ def test_fwht_other_dtypes_and_shapes(dtype):
     # A single vector and a non-contiguous view work too.
     torch.testing.assert_close(fwht(x[0]), x[0] @ h)
     torch.testing.assert_close(fwht(x.T.contiguous().T), x @ h)
+
+
+# -- orders that are not powers of two (head_dim 80 and 96)
+
+
+@pytest.mark.parametrize("n", [12, 20])
+def test_paley_hadamard_is_hadamard(n):
+    h = torch.tensor(rotation.paley_hadamard(n), dtype=torch.float64)
+    assert set(h.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [2, 10, 13, 16, 22])
+def test_paley_refuses_orders_it_cannot_build(n):
+    with pytest.raises(ValueError, match="prime = 3 mod 4"):
+        rotation.paley_hadamard(n)
+
+
+@pytest.mark.parametrize("d, factors", [(64, (1, 64)), (80, (20, 4)), (96, (12, 8)), (48, (12, 4)), (160, (20, 8))])
+def test_hadamard_orders(d, factors):
+    assert rotation.hadamard_factors(d) == factors
+    h = torch.tensor(rotation.hadamard_matrix(d), dtype=torch.float64)
+    assert torch.equal(h @ h.T, d * torch.eye(d, dtype=torch.float64))
+    # Every coordinate of a rotated basis vector has magnitude 1/sqrt(d): the rotation mixes all of them.
+    assert torch.equal(h.abs(), torch.ones(d, d, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("d", [64, 80, 96])
+def test_hadamard_transform_matches_the_matrix(d):
+    h = torch.tensor(rotation.hadamard_matrix(d), dtype=torch.float64)
+    x = torch.randn(5, d, dtype=torch.float64, generator=torch.Generator().manual_seed(d))
+    torch.testing.assert_close(rotation.hadamard_transform(x), x @ h.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(rotation.hadamard_transform(x, transpose=True), x @ h, rtol=0, atol=1e-12)
+    # H^T H = d I: the transpose undoes the transform
+    torch.testing.assert_close(rotation.hadamard_transform(rotation.hadamard_transform(x), transpose=True) / d, x)
+
+
+def test_hadamard_refuses_other_orders():
+    with pytest.raises(ValueError, match="12 \\* 2\\^k or 20 \\* 2\\^k"):
+        rotation.hadamard_factors(72)

@@ -303,7 +303,7 @@ FIELD_ERRORS = [
     ("turbo_k4v2", _set(("name",), 42), "name", "got 42"),
     ("turbo_k4v2", _set(("description",), 42), "description", "expected a string of at most 2000 characters"),
     ("turbo_k4v2", _set(("description",), "x" * 2001), "description", "at most 2000 characters"),
-    ("turbo_k4v2", _set(("head_dims",), [48]), "head_dims", "expected a list of distinct values from [16, 32, 64, 128, 256], got [48]"),
+    ("turbo_k4v2", _set(("head_dims",), [48]), "head_dims", "expected a list of distinct values from [16, 32, 64, 80, 96, 128, 256], got [48]"),
     ("turbo_k4v2", _set(("head_dims",), []), "head_dims", "got []"),
     ("turbo_k4v2", _set(("head_dims",), [64, 64]), "head_dims", "distinct"),
     ("turbo_k4v2", _set(("head_dims",), 128), "head_dims", "got 128"),
@@ -529,14 +529,16 @@ def tensor_specs(draw):
     return out
 
 
-def _min_head_dim(tensor: dict) -> int:
-    """The smallest head_dim a tensor spec allows: its narrowest bit plane must give 16-column chunks."""
+def _allows(tensor: dict, d: int) -> bool:
+    """Whether a tensor spec can be built for head_dim d: its narrowest bit plane must give chunks of 16 or more
+    columns, and each chunk must hold whole scale groups."""
     residual = tensor.get("residual", "none")
     residual = residual["kind"] if isinstance(residual, dict) else residual
     bits = tensor["codebook"].get("bits", 8) + (residual != "none")
     narrowest = min(b for b in (1, 2, 4, 8) if bits & b)
     group = tensor["scale"].get("group_size", 1) if isinstance(tensor["scale"], dict) else 1
-    return max(128, 8 * group) // narrowest  # and each chunk holds whole scale groups
+    chunk = d * narrowest // 8
+    return chunk >= 16 and chunk % group == 0
 
 
 @st.composite
@@ -545,9 +547,8 @@ def scheme_specs(draw):
     if draw(st.booleans()):
         data["description"] = draw(st.text(max_size=60))
     data["key"], data["value"] = draw(tensor_specs()), draw(tensor_specs())
-    lowest = max(_min_head_dim(data["key"]), _min_head_dim(data["value"]))
-    if draw(st.booleans()) or lowest > min(spec.DEFAULT_HEAD_DIMS):
-        allowed = [d for d in SUPPORTED_HEAD_DIMS if d >= lowest]
+    allowed = [d for d in SUPPORTED_HEAD_DIMS if _allows(data["key"], d) and _allows(data["value"], d)]
+    if draw(st.booleans()) or not set(spec.DEFAULT_HEAD_DIMS) <= set(allowed):
         data["head_dims"] = draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
     return data
 

@@ -12,6 +12,7 @@ Cache per token and KV head at head_dim 128: 102 bytes with 16-bit metadata
     fill(cache, key, value, slot_mapping)            # new tokens -> their slots
     out = decode(query, cache, block_tables, seq_lens)  # one query token per sequence
     key, value = flatten(cache, block_tables, seq_lens) # contiguous, in the input basis
+    out = attend(query, cache, block_tables, seq_lens, query_start_loc)  # several new tokens per sequence
 
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
@@ -1029,3 +1030,55 @@ def __getattr__(name: str):
 
         return bind(SCHEME)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def attend(
+    query: torch.Tensor,
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: "float | None" = None,
+) -> torch.Tensor:
+    """Causal attention of several new query tokens per sequence (chunked prefill, speculative verification).
+
+    query [total_q, num_q_heads, head_dim] holds sequence b's q_len = query_start_loc[b + 1] - query_start_loc[b]
+    tokens at rows query_start_loc[b]:query_start_loc[b + 1]; they are the last q_len of its seq_lens[b] cached
+    tokens (fill them first), so its token j sees cached positions 0 .. seq_lens[b] - q_len + j. Returns
+    [total_q, num_q_heads, head_dim] in query's dtype. Reads seq_lens and query_start_loc on the host.
+
+    Implemented as flatten, then scaled_dot_product_attention per sequence: the dequantized K and V of the
+    batch (fp16: 4 bytes per coordinate) exist for the duration of the call.
+    """
+    _check_cache(cache)
+    _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("total_q", "num_q_heads", cache.head_dim))
+    _check_paging(cache, block_tables, seq_lens)
+    batch = block_tables.shape[0]
+    _check_tensor("query_start_loc", query_start_loc, cache.device, _INDEX_DTYPES, (batch + 1,))
+    total_q, num_q_heads, head_dim = query.shape
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != total_q or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to {total_q} (query's rows), got {starts}")
+    for i, n in enumerate(lens):
+        if starts[i + 1] - starts[i] > n:
+            raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    key, value = flatten(cache, block_tables, seq_lens)
+    out = torch.zeros_like(query)
+    kv_start = 0
+    for b, n in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len:
+            q = query[starts[b]:starts[b + 1]].transpose(0, 1)  # [num_q_heads, q_len, head_dim]
+            k = key[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            v = value[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            # Token j of the q_len new ones is cached position n - q_len + j: it sees positions up to that one.
+            visible = torch.arange(n, device=cache.device)[None, :] <= torch.arange(n - q_len, n, device=cache.device)[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+            out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+        kv_start += n
+    return out

@@ -79,12 +79,14 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# Decode tuning from a sweep on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
+# Decode tuning from sweeps on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
 _DECODE_BLOCK_N = 128
 _DECODE_WARPS = 4
 _DECODE_STAGES = 3
-_SPLITS_PER_SM = 4
+_SPLITS_PER_SM = 8
 _MAX_SPLITS = 64
+# Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
+_FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
@@ -1090,21 +1092,41 @@ def _decode_kernel(
     acc_5 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
     acc_6 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
     acc_7 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+
+    # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
+    # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
+    token = tl.arange(0, BLOCK_N)
+    position = start + token
+    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+    valid = (position < end) & (block >= 0) & (block < num_blocks)
+    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    key_norm_raw = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0)
+    key_residual_norm_raw = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0)
+
+    value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+
+    position += BLOCK_N
+    block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
-        position = start + offset + tl.arange(0, BLOCK_N)
-        in_seq = position < end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-        valid = in_seq & (block >= 0) & (block < num_blocks)
-        row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        position = start + offset + BLOCK_N + token
+        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        key_norm_next = tl.load(key_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
+        key_residual_norm_next = tl.load(key_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
+
+        value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+
+        position += BLOCK_N
+        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
         # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
         key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-        key_residual_norm = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+        key_norm = key_norm_raw.to(tl.float32)
+        key_residual_norm = key_residual_norm_raw.to(tl.float32)
         # E[sign(<s, r>) s] = sqrt(2/pi) r / |r| for a Gaussian row s: this factor makes the estimate unbiased.
         key_qjl_row = key_norm * key_residual_norm * 1.2533141373155001 / HEAD_DIM
 
@@ -1212,6 +1234,7 @@ def _decode_kernel(
 
         dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
         dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+
         scores = dots * key_norm[None, :]
         scores += dots_qjl * key_qjl_row[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1226,7 +1249,7 @@ def _decode_kernel(
         value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = value_norm_raw.to(tl.float32)
 
         weights = (p * value_norm[None, :]).to(DOT_DTYPE)
         code = value_bytes_0_0 & 1
@@ -1333,6 +1356,12 @@ def _decode_kernel(
         tile = lut_2_0
 
         acc_7 = acc_7 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+
+        row = row_next
+        valid = valid_next
+        key_norm_raw = key_norm_next
+        key_residual_norm_raw = key_residual_norm_next
+        value_norm_raw = value_norm_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -1685,8 +1714,9 @@ def decode(
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
+    block_n = _DECODE_BLOCK_N if head_dim <= 128 else _DECODE_BLOCK_N // 2  # the same tile bytes at head_dim 256
     wanted = max(1, min(_MAX_SPLITS, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
-    tokens_per_split = max(_DECODE_BLOCK_N, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
+    tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
     partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=cache.device)
@@ -1721,7 +1751,7 @@ def decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,

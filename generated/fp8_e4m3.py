@@ -12,6 +12,7 @@ Cache per token and KV head at head_dim 128: 260 bytes with 16-bit metadata
     fill(cache, key, value, slot_mapping)            # new tokens -> their slots
     out = decode(query, cache, block_tables, seq_lens)  # one query token per sequence
     key, value = flatten(cache, block_tables, seq_lens) # contiguous, in the input basis
+    out = attend(query, cache, block_tables, seq_lens, query_start_loc)  # several new tokens per sequence
 
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
@@ -56,12 +57,14 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# Decode tuning from a sweep on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
+# Decode tuning from sweeps on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
 _DECODE_BLOCK_N = 128
 _DECODE_WARPS = 4
 _DECODE_STAGES = 3
-_SPLITS_PER_SM = 4
+_SPLITS_PER_SM = 8
 _MAX_SPLITS = 64
+# Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
+_FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
@@ -299,18 +302,36 @@ def _decode_kernel(
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+
+    # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
+    # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
+    token = tl.arange(0, BLOCK_N)
+    position = start + token
+    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+    valid = (position < end) & (block >= 0) & (block < num_blocks)
+    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    key_scale_raw = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+
+    value_scale_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+
+    position += BLOCK_N
+    block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
-        position = start + offset + tl.arange(0, BLOCK_N)
-        in_seq = position < end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-        valid = in_seq & (block >= 0) & (block < num_blocks)
-        row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        position = start + offset + BLOCK_N + token
+        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        key_scale_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+
+        value_scale_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+
+        position += BLOCK_N
+        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
         # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
         key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        key_scale = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_scale = key_scale_raw.to(tl.float32)
 
         code = key_bytes_0_0
 
@@ -320,6 +341,7 @@ def _decode_kernel(
         tile = level
 
         dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+
         scores = dots * key_scale[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -331,7 +353,7 @@ def _decode_kernel(
         # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        value_scale = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_scale = value_scale_raw.to(tl.float32)
 
         weights = (p * value_scale[None, :]).to(DOT_DTYPE)
         code = value_bytes_0_0
@@ -342,6 +364,11 @@ def _decode_kernel(
         tile = level
 
         acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+
+        row = row_next
+        valid = valid_next
+        key_scale_raw = key_scale_next
+        value_scale_raw = value_scale_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -617,8 +644,9 @@ def decode(
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
+    block_n = _DECODE_BLOCK_N if head_dim <= 128 else _DECODE_BLOCK_N // 2  # the same tile bytes at head_dim 256
     wanted = max(1, min(_MAX_SPLITS, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
-    tokens_per_split = max(_DECODE_BLOCK_N, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
+    tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
     partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=cache.device)
@@ -645,7 +673,7 @@ def decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
@@ -757,3 +785,55 @@ def __getattr__(name: str):
 
         return bind(SCHEME)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def attend(
+    query: torch.Tensor,
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: "float | None" = None,
+) -> torch.Tensor:
+    """Causal attention of several new query tokens per sequence (chunked prefill, speculative verification).
+
+    query [total_q, num_q_heads, head_dim] holds sequence b's q_len = query_start_loc[b + 1] - query_start_loc[b]
+    tokens at rows query_start_loc[b]:query_start_loc[b + 1]; they are the last q_len of its seq_lens[b] cached
+    tokens (fill them first), so its token j sees cached positions 0 .. seq_lens[b] - q_len + j. Returns
+    [total_q, num_q_heads, head_dim] in query's dtype. Reads seq_lens and query_start_loc on the host.
+
+    Implemented as flatten, then scaled_dot_product_attention per sequence: the dequantized K and V of the
+    batch (fp16: 4 bytes per coordinate) exist for the duration of the call.
+    """
+    _check_cache(cache)
+    _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("total_q", "num_q_heads", cache.head_dim))
+    _check_paging(cache, block_tables, seq_lens)
+    batch = block_tables.shape[0]
+    _check_tensor("query_start_loc", query_start_loc, cache.device, _INDEX_DTYPES, (batch + 1,))
+    total_q, num_q_heads, head_dim = query.shape
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != total_q or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to {total_q} (query's rows), got {starts}")
+    for i, n in enumerate(lens):
+        if starts[i + 1] - starts[i] > n:
+            raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    key, value = flatten(cache, block_tables, seq_lens)
+    out = torch.zeros_like(query)
+    kv_start = 0
+    for b, n in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len:
+            q = query[starts[b]:starts[b + 1]].transpose(0, 1)  # [num_q_heads, q_len, head_dim]
+            k = key[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            v = value[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            # Token j of the q_len new ones is cached position n - q_len + j: it sees positions up to that one.
+            visible = torch.arange(n, device=cache.device)[None, :] <= torch.arange(n - q_len, n, device=cache.device)[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+            out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+        kv_start += n
+    return out

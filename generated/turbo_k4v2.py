@@ -12,6 +12,7 @@ Cache per token and KV head at head_dim 128: 102 bytes with 16-bit metadata
     fill(cache, key, value, slot_mapping)            # new tokens -> their slots
     out = decode(query, cache, block_tables, seq_lens)  # one query token per sequence
     key, value = flatten(cache, block_tables, seq_lens) # contiguous, in the input basis
+    out = attend(query, cache, block_tables, seq_lens, query_start_loc)  # several new tokens per sequence
 
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
@@ -83,12 +84,14 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# Decode tuning from a sweep on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
+# Decode tuning from sweeps on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
 _DECODE_BLOCK_N = 128
 _DECODE_WARPS = 4
 _DECODE_STAGES = 3
-_SPLITS_PER_SM = 4
+_SPLITS_PER_SM = 8
 _MAX_SPLITS = 64
+# Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
+_FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
@@ -424,6 +427,99 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2(codes, lo, hi):
+    """Four 2-bit indices per byte -> fp16 codebook entries for chunks 0..3 (bits 0, 2, 4, 6).
+
+    lo / hi hold the low / high bytes of the four entries; selector nibbles (i0, i0 + 4, i1, i1 + 4), made by one
+    multiply-add from the index bytes, make one prmt return the entries of two indices.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, s, t;
+        and.b32 a, $8, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $0, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $1, $9, $13, t;
+        shr.b32 a, $8, 2;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $2, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $3, $9, $13, t;
+        shr.b32 a, $8, 4;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $4, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $5, $9, $13, t;
+        shr.b32 a, $8, 6;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $6, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $7, $9, $13, t;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[codes, lo, hi],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _unpack_lut3s(codes, rms, lo0, lo1, hi0, hi1):
+    """Two codes per byte, each a 3-bit index and the residual's sign (bit 3) -> fp16 entry[index] + -rms.
+
+    The four index nibbles of a register become one prmt selector; prmt then reads the low bytes (lo0: entries
+    0..3, lo1: 4..7) and the high bytes of four entries at once, and two more interleave them. The sign bit,
+    moved to bit 15 of each half, flips rms's sign with one lop3 before a paired add.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 z, m, a, y, s, l, h, t, u;
+        mov.b32 z, 0;
+        mov.b32 m, 0x80008000;
+        and.b32 a, $4, 0x07070707;
+        shr.b32 y, a, 4;
+        or.b32 y, y, a;
+        prmt.b32 s, y, z, 0x0020;
+        prmt.b32 l, $7, $11, s;
+        prmt.b32 h, $15, $19, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        shr.b32 a, $4, 4;
+        and.b32 a, a, 0x07070707;
+        shr.b32 y, a, 4;
+        or.b32 y, y, a;
+        prmt.b32 s, y, z, 0x0020;
+        prmt.b32 l, $7, $11, s;
+        prmt.b32 h, $15, $19, s;
+        prmt.b32 $2, l, h, 0x5140;
+        prmt.b32 $3, l, h, 0x7362;
+        prmt.b32 t, $4, z, 0x1404;
+        shl.b32 u, t, 4;
+        lop3.b32 u, u, m, $5, 0xa6;
+        add.f16x2 $0, $0, u;
+        lop3.b32 u, t, m, $5, 0xa6;
+        add.f16x2 $2, $2, u;
+        prmt.b32 t, $4, z, 0x3424;
+        shl.b32 u, t, 4;
+        lop3.b32 u, u, m, $6, 0xa6;
+        add.f16x2 $1, $1, u;
+        lop3.b32 u, t, m, $6, 0xa6;
+        add.f16x2 $3, $3, u;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[codes, rms, lo0, lo1, hi0, hi1],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -433,11 +529,13 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -455,12 +553,14 @@ def _decode_kernel(
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
+    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
+    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -494,6 +594,15 @@ def _decode_kernel(
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
+    if FAST_UNPACK:
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+        key_lut_2 = tl.load(key_lut_ptr + 2)
+        key_lut_3 = tl.load(key_lut_ptr + 3)
+
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
+
     end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
@@ -503,50 +612,78 @@ def _decode_kernel(
     acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
     acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
     acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+
+    # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
+    # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
+    token = tl.arange(0, BLOCK_N)
+    position = start + token
+    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+    valid = (position < end) & (block >= 0) & (block < num_blocks)
+    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    key_norm_raw = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0)
+    key_residual_rms_raw = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0)
+
+    value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+
+    position += BLOCK_N
+    block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
-        position = start + offset + tl.arange(0, BLOCK_N)
-        in_seq = position < end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-        valid = in_seq & (block >= 0) & (block < num_blocks)
-        row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        position = start + offset + BLOCK_N + token
+        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        key_norm_next = tl.load(key_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
+        key_residual_rms_next = tl.load(key_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
+
+        value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+
+        position += BLOCK_N
+        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
         # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
 
-        key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-        key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+        key_norm = key_norm_raw.to(tl.float32)
+        key_residual_rms = key_residual_rms_raw.to(tl.float32)
 
-        code = key_bytes_0_0 & 15
+        if FAST_UNPACK:
+            tile_0, tile_1 = _unpack_lut3s(key_bytes_0_0, key_residual_rms.to(tl.float16)[:, None], key_lut_0, key_lut_1, key_lut_2, key_lut_3)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            dots = tl.dot(query_0, tl.trans(tile_0))
+            dots += tl.dot(query_1, tl.trans(tile_1))
+        else:
+            key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+            code = key_bytes_0_0 & 15
 
-        positive = (code & 8) != 0
-        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 4) & 15
+            positive = (code & 8) != 0
+            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 4) & 15
 
-        positive = (code & 8) != 0
-        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            positive = (code & 8) != 0
+            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+
         scores = dots * key_norm[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -556,43 +693,58 @@ def _decode_kernel(
         running_max = new_max
 
         # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
 
-        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = value_norm_raw.to(tl.float32)
 
         weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-        code = value_bytes_0_0 & 3
+        if FAST_UNPACK:
+            tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+            acc_0 = acc_0 * alpha[:, None] + tl.dot(weights, tile_0)
+            acc_1 = acc_1 * alpha[:, None] + tl.dot(weights, tile_1)
+            acc_2 = acc_2 * alpha[:, None] + tl.dot(weights, tile_2)
+            acc_3 = acc_3 * alpha[:, None] + tl.dot(weights, tile_3)
+        else:
+            value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+            code = value_bytes_0_0 & 3
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
-        code = (value_bytes_0_0 >> 2) & 3
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+            acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            code = (value_bytes_0_0 >> 2) & 3
 
-        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
-        code = (value_bytes_0_0 >> 4) & 3
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+            acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            code = (value_bytes_0_0 >> 4) & 3
 
-        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
-        code = (value_bytes_0_0 >> 6) & 3
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+            acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            code = (value_bytes_0_0 >> 6) & 3
 
-        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
+
+            acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+
+        row = row_next
+        valid = valid_next
+        key_norm_raw = key_norm_next
+        key_residual_rms_raw = key_residual_rms_next
+        value_norm_raw = value_norm_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -642,6 +794,15 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
+def _lut_words(entries: torch.Tensor) -> torch.Tensor:
+    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
+    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
+    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
+    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
     """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
     return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
@@ -661,6 +822,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value
     order = torch.arange(d)
@@ -670,6 +832,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -896,8 +1059,9 @@ def decode(
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
+    block_n = _DECODE_BLOCK_N if head_dim <= 128 else _DECODE_BLOCK_N // 2  # the same tile bytes at head_dim 256
     wanted = max(1, min(_MAX_SPLITS, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
-    tokens_per_split = max(_DECODE_BLOCK_N, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
+    tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
     partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=cache.device)
@@ -912,11 +1076,13 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,
@@ -930,10 +1096,11 @@ def decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         num_warps=_DECODE_WARPS,
         num_stages=_DECODE_STAGES,
     )
@@ -1043,3 +1210,55 @@ def __getattr__(name: str):
 
         return bind(SCHEME)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def attend(
+    query: torch.Tensor,
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: "float | None" = None,
+) -> torch.Tensor:
+    """Causal attention of several new query tokens per sequence (chunked prefill, speculative verification).
+
+    query [total_q, num_q_heads, head_dim] holds sequence b's q_len = query_start_loc[b + 1] - query_start_loc[b]
+    tokens at rows query_start_loc[b]:query_start_loc[b + 1]; they are the last q_len of its seq_lens[b] cached
+    tokens (fill them first), so its token j sees cached positions 0 .. seq_lens[b] - q_len + j. Returns
+    [total_q, num_q_heads, head_dim] in query's dtype. Reads seq_lens and query_start_loc on the host.
+
+    Implemented as flatten, then scaled_dot_product_attention per sequence: the dequantized K and V of the
+    batch (fp16: 4 bytes per coordinate) exist for the duration of the call.
+    """
+    _check_cache(cache)
+    _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("total_q", "num_q_heads", cache.head_dim))
+    _check_paging(cache, block_tables, seq_lens)
+    batch = block_tables.shape[0]
+    _check_tensor("query_start_loc", query_start_loc, cache.device, _INDEX_DTYPES, (batch + 1,))
+    total_q, num_q_heads, head_dim = query.shape
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != total_q or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to {total_q} (query's rows), got {starts}")
+    for i, n in enumerate(lens):
+        if starts[i + 1] - starts[i] > n:
+            raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    key, value = flatten(cache, block_tables, seq_lens)
+    out = torch.zeros_like(query)
+    kv_start = 0
+    for b, n in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len:
+            q = query[starts[b]:starts[b + 1]].transpose(0, 1)  # [num_q_heads, q_len, head_dim]
+            k = key[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            v = value[kv_start:kv_start + n].transpose(0, 1).to(query.dtype)
+            # Token j of the q_len new ones is cached position n - q_len + j: it sees positions up to that one.
+            visible = torch.arange(n, device=cache.device)[None, :] <= torch.arange(n - q_len, n, device=cache.device)[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+            out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+        kv_start += n
+    return out

@@ -34,6 +34,7 @@ L2_MULTIPLE = 4  # copies together exceed this many L2s, so no call finds its in
 MEMORY_FRACTION = 0.4  # rotation copies stay under this share of free memory; the rest is for outputs and scratch
 FILL_TOKENS_PER_SEQ = 8192  # a prefill chunk, not a whole context: fill is timed on what engines write at once
 FILL_CHUNK_BYTES = 256 * MiB  # fp16 input per fill call while populating a cache, to bound the staging memory
+ATTEND_TOKENS = 16  # new query tokens per sequence for attend: a speculative-decoding verification step
 ERR_WARN = 1e-2  # decode vs SDPA on the same dequantized cache: only fp rounding should separate them
 CACHE_FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
 DEVICE = "cuda"  # one place, so the pipeline can be smoke-tested on CPU under the interpreter
@@ -56,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="bench-results.json", metavar="FILE",
                         help="where to write the results (default: bench-results.json)")
     parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="also draw decode's speedup over SDPA against context length, per scheme (PNG, matplotlib)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,14 +249,8 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     row["rel_err"] = rel_l2(got, want)
     del got, want
 
-    # Scratch: what one decode call allocates beyond what is already held (the warm call above built its tables).
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = module.decode(query, cache, block_tables, seq_lens)
-    torch.cuda.synchronize()
-    row["scratch_mib"] = (torch.cuda.max_memory_allocated() - held) / MiB
-    del out
+    # Scratch: what one decode call allocates beyond the cache and its inputs (the warm call above built its tables).
+    row["scratch_mib"] = _scratch_mib(lambda: module.decode(query, cache, block_tables, seq_lens))
 
     # Decode and flatten over rotating cache copies.
     caches = [cache] + [_clone_cache(module, cache) for _ in range(copies - 1)]
@@ -263,6 +260,8 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     # flatten reads seq_lens on the host, so its time includes that sync and the launch behind it.
     row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens),
                                          [(c,) for c in caches]))
+    if hasattr(module, "attend"):
+        _measure_attend(module, row, caches, block_tables, seq_lens, hq)
     del caches, cache
     torch.cuda.empty_cache()
 
@@ -276,6 +275,30 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     _measure_peer(row, query, fp16_bytes, cfg)
     del query
     _measure_fill(module, row, cfg)
+
+
+def _scratch_mib(call: Callable[[], object]) -> float:
+    """Peak memory one call allocates beyond what is already held, its output included."""
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - held) / MiB
+
+
+def _measure_attend(module: ModuleType, row: dict, caches: list, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, q_heads: int) -> None:
+    """ATTEND_TOKENS causal query tokens per sequence (the last ones of each context), over rotating caches."""
+    b, d = row["batch"], row["head_dim"]
+    q_len = min(ATTEND_TOKENS, row["context"])
+    query = torch.randn(b * q_len, q_heads, d, dtype=torch.float16, device=DEVICE)
+    starts = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32, device=DEVICE)
+    row["attend_tokens"] = q_len
+    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts))
+    row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts),
+                                        [(c,) for c in caches]))
 
 
 def _measure_peer(row: dict, query: torch.Tensor, fp16_bytes: int, cfg: dict) -> None:
@@ -357,7 +380,8 @@ def _note(row: dict, text: str) -> None:
 # ---------------------------------------------------------------- output
 
 COLUMNS = (("B", 3), ("ctx", 7), ("D", 4), ("sdpa ms", 9), ("kvqc ms", 9), ("speedup", 8), ("floor ms", 9),
-           ("%floor", 7), ("fill %bw", 9), ("flatten %bw", 11), ("scratch MiB", 11), ("err", 9))
+           ("%floor", 7), ("fill %bw", 9), ("flatten %bw", 11), ("scratch MiB", 11), ("attend ms", 10),
+           ("attend MiB", 10), ("err", 9))
 
 
 def _fmt(value: object, spec: str) -> str:
@@ -372,7 +396,8 @@ def format_row(row: dict) -> str:
     err = row.get("rel_err")
     cells = [_fmt(row.get("peer_ms"), ".4f"), _fmt(row.get("kvqc_ms"), ".4f"), _fmt(row.get("speedup"), ".2f"),
              _fmt(row.get("floor_ms"), ".4f"), pct("fraction_of_floor"), pct("fill_fraction_of_bw"),
-             pct("flatten_fraction_of_bw"), _fmt(row.get("scratch_mib"), ".2f"),
+             pct("flatten_fraction_of_bw"), _fmt(row.get("scratch_mib"), ".2f"), _fmt(row.get("attend_ms"), ".3f"),
+             _fmt(row.get("attend_scratch_mib"), ".0f"),
              _fmt(err, ".1e") + ("!" if err is not None and not err <= ERR_WARN else " ")]
     line = head + "".join(f" {c:>{w}}" for c, (_, w) in zip(cells, COLUMNS[3:]))
     return line + (f"  ({row['note']})" if row.get("note") else "")
@@ -384,6 +409,37 @@ def table_header() -> str:
 
 def _write_json(path: str, header: dict, rows: list[dict]) -> None:
     Path(path).write_text(json.dumps({**header, "results": rows}, indent=2) + "\n", encoding="utf-8")
+
+
+def plot(rows: list[dict], path: str, device: str = "") -> None:
+    """Decode's speedup over fp16 SDPA against context length, one line per scheme, one panel per (batch, d)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("speedup") is not None]
+    panels = sorted({(r["batch"], r["head_dim"]) for r in ok})
+    if not panels:
+        raise ValueError("no measured speedups to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
+    for ax, (b, d) in zip(axes[0], panels):
+        for scheme in sorted({r["scheme"] for r in ok}):
+            pts = sorted((r["context"], r["speedup"]) for r in ok
+                         if r["scheme"] == scheme and r["batch"] == b and r["head_dim"] == d)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=scheme)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"batch {b}, head_dim {d}")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("decode speedup over fp16 SDPA (x)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"kvqc decode vs SDPA{': ' + device if device else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------- driver
@@ -417,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
           f"L2 {header['l2_bytes'] / MiB:.0f} MiB")
     print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}; "
-          f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g})")
+          f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g}); attend: "
+          f"{ATTEND_TOKENS} causal query tokens per sequence; MiB columns: peak allocation beyond the cache")
     cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
            "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"]}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
@@ -441,6 +498,12 @@ def run(args: argparse.Namespace) -> int:
             _write_json(args.json, header, rows)  # after every shape, so a run cut short keeps what it measured
     _write_json(args.json, header, rows)
     print(f"\nresults: {args.json}")
+    if args.plot:
+        try:
+            plot(rows, args.plot, header["device"])
+            print(f"plot: {args.plot}")
+        except (ImportError, ValueError) as exc:
+            print(f"kvqc bench: no plot: {exc}", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import DEVICE, ROOT, SCHEMES, generated
 
-D = 128  # head_dim in every test here (every shipped scheme supports it)
+D = 128  # head_dim in every test here; a scheme not built for 128 uses its largest (the fixture below)
 FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
 OUT_RTOL = {torch.float16: 2e-3, torch.float32: 2e-5}
 NAN, INF = float("nan"), float("inf")
@@ -27,6 +27,17 @@ QJL_GPU_DECODE = ()
 
 def schemes_marked(mark, names=("turbo_qjl_k3v3",)):
     return list(SCHEMES)
+
+
+@pytest.fixture(autouse=True)
+def head_dim_of_the_scheme(request):
+    """D for a test parametrized by scheme `name`: 128, or the scheme's largest head_dim if it lacks 128."""
+    global D
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    dims = generated(params["name"]).HEAD_DIMS if "name" in params else (128,)
+    D = 128 if 128 in dims else dims[-1]
+    yield
+    D = 128
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

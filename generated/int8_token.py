@@ -98,7 +98,6 @@ def _fill_kernel(
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    dim = tl.arange(0, HEAD_DIM)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 1
@@ -173,7 +172,6 @@ def _flatten_kernel(
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
-    dim = tl.arange(0, HEAD_DIM)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 1

@@ -82,6 +82,8 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
+# ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
+_ROTATION_BLOCK = 64
 # Decode tuning from sweeps on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
 _DECODE_BLOCK_N = 128
 _DECODE_WARPS = 4
@@ -125,12 +127,13 @@ def _fill_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    dim = tl.arange(0, HEAD_PAD)
+    dim = tl.arange(0, IN_BLOCK)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
     KEY_CHUNK_PAD: tl.constexpr = HEAD_PAD // 2
     key_in = tl.arange(0, KEY_CHUNK_PAD) < KEY_CHUNK  # the chunk's real columns; the rest is padding
@@ -145,16 +148,20 @@ def _fill_kernel(
     row = slot * NUM_KV_HEADS + head
 
     # key
-    x = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + dim[None, :],
-        mask=valid[:, None] & (dim[None, :] < HEAD_DIM),
-        other=0.0,
-    ).to(tl.float32)
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows.
-    matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_0 = _mm(x, tl.trans(matrix), DOT_PRECISION)
-    matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_1 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
+    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
+    x_0 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
+    x_1 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
+    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+        x = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :],
+            mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
+            other=0.0,
+        ).to(tl.float32)
+        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -224,20 +231,26 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 1, residual_rms.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
     # value
-    x = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
-        mask=valid[:, None] & (dim[None, :] < HEAD_DIM),
-        other=0.0,
-    ).to(tl.float32)
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows.
-    matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_0 = _mm(x, tl.trans(matrix), DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_1 = _mm(x, tl.trans(matrix), DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_2 = _mm(x, tl.trans(matrix), DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    x_3 = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
+    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
+    x_0 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
+    x_1 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
+    x_2 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
+    x_3 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
+    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+        x = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :],
+            mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
+            other=0.0,
+        ).to(tl.float32)
+        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_2 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        x_3 += _mm(x, tl.trans(matrix), DOT_PRECISION)
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -297,13 +310,14 @@ def _flatten_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
-    dim = tl.arange(0, HEAD_PAD)
+    dim = tl.arange(0, IN_BLOCK)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
     KEY_CHUNK_PAD: tl.constexpr = HEAD_PAD // 2
     key_in = tl.arange(0, KEY_CHUNK_PAD) < KEY_CHUNK  # the chunk's real columns; the rest is padding
@@ -369,12 +383,13 @@ def _flatten_kernel(
 
     tile_1 = tile * key_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
-    matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out = _mm(tile_0, matrix, DOT_PRECISION)
-    matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out += _mm(tile_1, matrix, DOT_PRECISION)
-    tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (dim[None, :] < HEAD_DIM))
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
+    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out = _mm(tile_0, matrix, DOT_PRECISION)
+        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out += _mm(tile_1, matrix, DOT_PRECISION)
+        tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < HEAD_DIM))
 
     # value
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -422,16 +437,17 @@ def _flatten_kernel(
 
     tile_3 = tile * value_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows].
-    matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out = _mm(tile_0, matrix, DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out += _mm(tile_1, matrix, DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out += _mm(tile_2, matrix, DOT_PRECISION)
-    matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + dim[None, :])
-    out += _mm(tile_3, matrix, DOT_PRECISION)
-    tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (dim[None, :] < HEAD_DIM))
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
+    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out = _mm(tile_0, matrix, DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out += _mm(tile_1, matrix, DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out += _mm(tile_2, matrix, DOT_PRECISION)
+        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+        out += _mm(tile_3, matrix, DOT_PRECISION)
+        tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -903,6 +919,7 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         HEAD_DIM=cache.head_dim,
         HEAD_PAD=triton.next_power_of_2(cache.head_dim),
         BLOCK_T=_FILL_BLOCK_T,
+        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
 
@@ -957,6 +974,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         HEAD_PAD=triton.next_power_of_2(cache.head_dim),
         BLOCK_SIZE=cache.block_size,
         BLOCK_T=_FLATTEN_BLOCK_T,
+        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
     return key, value

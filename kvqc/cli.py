@@ -75,11 +75,11 @@ def _explain(args: argparse.Namespace) -> int:
     print("cache tensors ([num_blocks, B, H, ...], LMDeploy's 'bshd' layout):")
     for side in layout.sides:
         planes = " + ".join(f"{p.width}-bit" for p in side.planes)
-        print(f"  {side.name}_codes  uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord ({planes} planes)")
+        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord ({planes} planes)")
         fields = ", ".join(side.metadata)
         if side.group_size:
             fields += f" for each of {d // side.group_size} groups of {side.group_size} channels"
-        print(f"  {side.name}_meta   fp16    [num_blocks, B, H, {side.meta_width(d)}]  {fields}")
+        print(f"  {side.name + '_meta':<12} fp16    [num_blocks, B, H, {side.meta_width(d)}]  {fields}")
     print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), {layout.compression_ratio(d):.2f}x smaller")
     for side in layout.sides:
         print(f"{side.name}: {describe(side)}")

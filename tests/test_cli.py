@@ -735,7 +735,7 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * shown})" in out
     assert f"shown for head_dim {shown}" in out
     for side in ("key", "value"):
-        assert out.count(f"  {side}_codes  uint8") == 1 and out.count(f"  {side}_meta   fp16") == 1
+        assert out.count(f"  {side + '_codes':<12} uint8") == 1 and out.count(f"  {side + '_meta':<12} fp16") == 1
 
 
 def test_explain_unsupported_head_dim_falls_back(capsys):

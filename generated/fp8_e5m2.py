@@ -135,7 +135,7 @@ def _fill_kernel(
         other=0.0,
     ).to(tl.float32)
 
-    scale = tl.max(tl.abs(x_0), axis=1) / 57344.0
+    scale = tl.max(tl.abs(x_0), axis=1) / 448.0
     # A constant row has scale 0: every code is the zero level and `zero` alone carries the value back.
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = _fp8_code(tl.minimum(tl.maximum(x_0 * inverse[:, None], -57344.0), 57344.0), 2, 15)
@@ -152,7 +152,7 @@ def _fill_kernel(
         other=0.0,
     ).to(tl.float32)
 
-    scale = tl.max(tl.abs(x_0), axis=1) / 57344.0
+    scale = tl.max(tl.abs(x_0), axis=1) / 448.0
     # A constant row has scale 0: every code is the zero level and `zero` alone carries the value back.
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = _fp8_code(tl.minimum(tl.maximum(x_0 * inverse[:, None], -57344.0), 57344.0), 2, 15)

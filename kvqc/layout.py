@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from . import rotation
-from .spec import FP8_FORMATS, Scheme, TensorScheme
+from .spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,11 @@ class SideLayout:
         """(mantissa bits, exponent bias, largest finite value) of an fp8 codebook."""
         cb = self.scheme.codebook
         return FP8_FORMATS[cb.format] if cb.kind == "fp8" else None
+
+    @property
+    def fp8_target(self) -> float:
+        """The fp8 value that max|y| maps to (spec.FP8_TARGET)."""
+        return FP8_TARGET
 
     @property
     def meta_width_expr(self) -> str:

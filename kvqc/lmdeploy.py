@@ -101,6 +101,8 @@ def slot_mapping(
 @functools.lru_cache(maxsize=None)
 def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     """LMDeploy's TurboQuant rotation Q = H / sqrt(d), Sylvester's H (symmetric, so Q = Q^T)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim: LMDeploy's rotation needs a power of two, got {head_dim}")
     h = torch.ones(1, 1)
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -119,6 +121,18 @@ class Kernels:
             )
         key_bits, key_fields, value_bits, value_fields, twin = POLICIES[quant_policy]
         name = module.SCHEME["name"]
+        grouped = [side for side in ("KEY", "VALUE") if getattr(module, f"{side}_GROUP_SIZE", None)]
+        if grouped:
+            raise ValueError(
+                f"module: {name} shares its {grouped[0].lower()} scales along groups of channels, and LMDeploy's "
+                f"caches hold per-token metadata only (use a scheme without scale.group_size)"
+            )
+        odd = [d for d in module.HEAD_DIMS if d & (d - 1)]
+        if odd:
+            raise ValueError(
+                f"module: {name} is built for head_dim {odd}, which LMDeploy's quantized caches (Sylvester "
+                "Hadamard, power-of-two head_dim) do not have (use a scheme for powers of two)"
+            )
         layout = (module.KEY_CODE_BITS, len(module.KEY_METADATA), module.VALUE_CODE_BITS, len(module.VALUE_METADATA))
         if layout != (key_bits, key_fields, value_bits, value_fields):
             raise ValueError(
@@ -201,15 +215,25 @@ class Kernels:
             raise NotImplementedError("alibi_slopes / sinks: not supported by kvqc's decode")
         cache = self._cache(k_cache, k_scales_zeros, v_cache, v_scales_zeros, q.shape[-1])
         batch, num_tokens = cache_seqlens.shape[0], q.shape[0]
-        if batch == 0 or num_tokens % batch:
-            raise ValueError(f"q: {num_tokens} tokens do not split evenly over {batch} sequences (decoding only)")
-        seq_len = num_tokens // batch
-        if max_seqlen_q is not None and max_seqlen_q != seq_len:
-            raise ValueError(f"max_seqlen_q: {max_seqlen_q}, but q has {seq_len} tokens per sequence")
-        if seq_len == 1:
+        if cu_seqlens_q is not None:  # query tokens per sequence, possibly uneven (chunked prefill)
+            if cu_seqlens_q.shape[0] != batch + 1 or int(cu_seqlens_q[-1]) != num_tokens:
+                raise ValueError(
+                    f"cu_seqlens_q: expected {batch + 1} offsets ending at q's {num_tokens} tokens, got "
+                    f"{cu_seqlens_q.tolist()}"
+                )
+            q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        else:
+            if batch == 0 or num_tokens % batch:
+                raise ValueError(
+                    f"q: {num_tokens} tokens do not split evenly over {batch} sequences (pass cu_seqlens_q)"
+                )
+            q_lens = [num_tokens // batch] * batch
+        if max_seqlen_q is not None and max_seqlen_q < max(q_lens, default=0):
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q}, but a sequence has {max(q_lens)} query tokens")
+        if batch and all(n == 1 for n in q_lens):
             return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale)
         key, value = self.module.flatten(cache, page_table, cache_seqlens)
-        return paged.attend(q, key, value, [seq_len] * batch, cache_seqlens.tolist(), softmax_scale, causal)
+        return paged.attend(q, key, value, q_lens, cache_seqlens.tolist(), softmax_scale, causal)
 
     # -- helpers
 

@@ -59,9 +59,9 @@ def attend(
     out = torch.zeros(query.shape[0], num_q_heads, value.shape[-1], dtype=query.dtype, device=query.device)
     q_at = kv_at = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
+        if q_len > kv_len and causal:
+            raise ValueError(f"q_lens: {q_len} new tokens but only {kv_len} in the cache (store them first)")
         if q_len and kv_len:
-            if q_len > kv_len and causal:
-                raise ValueError(f"q_lens: {q_len} new tokens but only {kv_len} in the cache (store them first)")
             q = query[q_at : q_at + q_len].to(compute).transpose(0, 1)  # [heads, q_len, d]
             k = key[kv_at : kv_at + kv_len].to(device=query.device, dtype=compute).transpose(0, 1)
             v = value[kv_at : kv_at + kv_len].to(device=query.device, dtype=compute).transpose(0, 1)

@@ -15,13 +15,13 @@ import torch
 
 from . import rotation
 from .layout import SideLayout, plan
-from .spec import FP8_FORMATS, Scheme, scheme_from_dict
+from .spec import FP8_FORMATS, FP8_TARGET, Scheme, scheme_from_dict
 
 
 @dataclass
 class Quantized:
     codes: torch.Tensor  # uint8 [N, code bytes], packed as the cache stores them
-    meta: torch.Tensor  # [N, len(metadata)] in the metadata dtype
+    meta: torch.Tensor  # [N, len(metadata) * scale groups] in the metadata dtype
     code: torch.Tensor  # int64 [N, d] unpacked codes, coordinate order
     margin: torch.Tensor  # float64 [N, d]: distance of each coordinate's decision from flipping
 
@@ -126,7 +126,7 @@ class SideReference:
 
     def _fp8(self, yg: torch.Tensor):
         largest = FP8_FORMATS[self.s.codebook.format][2]
-        scale = yg.abs().max(dim=-1).values / largest
+        scale = yg.abs().max(dim=-1).values / FP8_TARGET
         inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
         t = (yg * inverse[..., None]).clamp(-largest, largest)
         # Nearest value of the format's grid, read off the table of every finite code (independent of the
@@ -135,7 +135,9 @@ class SideReference:
         mid = (values[1:] + values[:-1]) / 2
         index = torch.searchsorted(mid, t.contiguous())
         gap = (values[1:] - values[:-1])[(index - 1).clamp(0, len(mid) - 1)]
-        margin = (t[..., None] - mid).abs().min(dim=-1).values / gap
+        # Near zero the grid is finer than float32's error on a rotated coordinate (relative to max|y|): measure
+        # the distance in steps of at least FP8_TARGET * 2^-12.
+        margin = (t[..., None] - mid).abs().min(dim=-1).values / gap.clamp_min(FP8_TARGET * 2.0**-12)
         return codes[index], margin, scale[..., None]
 
     def _quantize_norm(self, y: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:

@@ -54,6 +54,10 @@ class Scale:
 
 
 FP8_FORMATS = {"e4m3": (3, 7, 448.0), "e5m2": (2, 15, 57344.0)}  # mantissa bits, exponent bias, largest finite
+# max|y| maps to 448 in both formats: e5m2's own largest (57344) would put max|y| / 57344 below float16's normal
+# range (6.1e-5) for every row with max|y| < 3.5, and the stored scale would lose its precision; e5m2 still has
+# 22 binades of normal values below 448.
+FP8_TARGET = 448.0
 
 
 @dataclass(frozen=True)
@@ -324,7 +328,11 @@ def _codebook(source: str, path: str, data: Any) -> Codebook:
         for extra in ("law", "centroids"):
             if f.has(extra):
                 f.fail(extra, "only meaningful with kind: lloyd_max; remove it")
-        return Codebook(kind, f.integer("bits", 8, 8, default=8), format=f.choice("format", tuple(FP8_FORMATS)))
+        if f.has("bits") and (type(f.data["bits"]) is not int or f.data["bits"] != 8):
+            f.fail("bits", f"fp8 codes are always 8 bits, got {_show(f.data['bits'])}; remove bits")
+        if not f.has("format"):
+            f.fail("format", f"missing required field; expected one of {', '.join(FP8_FORMATS)}")
+        return Codebook(kind, 8, format=f.choice("format", tuple(FP8_FORMATS)))
     bits = f.integer("bits", 1, 8)
     if kind == "uniform":
         for extra in ("law", "centroids"):

@@ -35,6 +35,7 @@ from types import ModuleType
 import torch
 
 from . import paged
+from .modules import meta_width
 
 VLLM_VERSION = "0.13"
 SCHEME_ENV = "KVQC_VLLM_SCHEME"  # read in every vLLM process, so an environment variable rather than an argument
@@ -50,9 +51,9 @@ def region_bytes(module: ModuleType, head_dim: int, dtype: torch.dtype) -> dict[
     item = torch.empty((), dtype=dtype).element_size()
     return {
         "key_codes": head_dim * module.KEY_CODE_BITS // 8,
-        "key_meta": len(module.KEY_METADATA) * item,
+        "key_meta": meta_width(module, "key", head_dim) * item,  # fields times scale groups
         "value_codes": head_dim * module.VALUE_CODE_BITS // 8,
-        "value_meta": len(module.VALUE_METADATA) * item,
+        "value_meta": meta_width(module, "value", head_dim) * item,
     }
 
 

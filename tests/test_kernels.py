@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DEEP, DEVICE, SCHEMES, generated
-from hypothesis import given
+from conftest import DEEP, DEVICE, ROOT, SCHEMES, generated
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # Metadata is rounded to the model dtype: one unit in the last place of fp16 / bf16 may differ where the kernel's
@@ -181,3 +181,15 @@ def test_kernels_match_reference(name, c):
     check_fill(case, before)
     check_flatten(case)
     check_decode(case, c["group"], c["seed"] + 1)
+
+
+# Test-only schemes for template branches no shipped scheme takes (scale groups on V, padded chunks with groups,
+# QJL or interleaved packing, rotated fp8, per-token absmax, the unbiased scale with a sign residual).
+EXTRA = sorted(str(p) for p in (ROOT / "tests" / "schemes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXTRA, ids=[p.rsplit("/", 1)[-1][:-5] for p in EXTRA])
+@settings(max_examples=12 if DEEP else 3)
+@given(c=cases)
+def test_other_branches_match_reference(path, c):
+    test_kernels_match_reference.hypothesis.inner_test(path, c)

@@ -247,6 +247,46 @@ def test_several_query_tokens_per_sequence(causal):
     assert rel_err(out, want) < RTOL[dtype]
 
 
+def test_uneven_query_tokens_follow_cu_seqlens_q():
+    """Chunked prefill: 1, 3 and 2 new query tokens in one batch, told apart only by cu_seqlens_q."""
+    dtype = torch.float32
+    adapter = kl.kernels("turbo_k4v2", 42)
+    engine, table = run_steps(adapter, 42, dtype, seed=7)
+    module, cache = adapter.module, to_cache(adapter.module, engine)
+    lens = torch.tensor(FINAL, dtype=torch.int32)
+    q_lens = [1, 3, 2]
+    cu = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    q = torch.randn(6, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = adapter.flash_attn_with_kvcache(q, engine["k_caches"], engine["v_caches"], lens, table, cu_seqlens_q=cu,
+                                          max_seqlen_q=3, causal=True, k_scales_zeros=engine["k_scales_zeros"],
+                                          v_scales_zeros=engine["v_scales_zeros"], quant_policy=42)
+    key, value = module.reference.flatten(cache, table, lens)
+    want = torch.zeros(6, Q_HEADS, HEAD_DIM, dtype=torch.float64)
+    at = row = 0
+    for n, m in zip(FINAL, q_lens):
+        k, v = key[at : at + n].repeat_interleave(2, dim=1), value[at : at + n].repeat_interleave(2, dim=1)
+        for j in range(m):
+            visible = n - m + j + 1
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:visible]) / math.sqrt(HEAD_DIM)
+            want[row] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v[:visible])
+            row += 1
+        at += n
+    assert rel_err(out, want) < RTOL[dtype]
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected 4 offsets"):
+        adapter.flash_attn_with_kvcache(q, engine["k_caches"], engine["v_caches"], lens, table,
+                                        cu_seqlens_q=cu[:3], k_scales_zeros=engine["k_scales_zeros"],
+                                        v_scales_zeros=engine["v_scales_zeros"], quant_policy=42)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("metal_uint2_q2_0", "groups of channels"),
+    ("turbo_k4v2_d80_96", r"head_dim \[80, 96\]"),
+])
+def test_refuses_layouts_lmdeploy_cannot_hold(name, match):
+    with pytest.raises(ValueError, match=match):
+        kl.kernels(name, 42, allow_incompatible=True)
+
+
 # ---------------------------------------------------------------------------------------------------- LMDeploy's bytes
 
 # lmdeploy/pytorch/kernels/cuda/turbo_quant.py (0.18): N(0, 1) tables, scaled by 1/sqrt(d) at run time.

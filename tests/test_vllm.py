@@ -25,7 +25,7 @@ BLOCK = 4
 KV_HEADS = 2
 Q_HEADS = 4
 SCHEMES = [("turbo_k4v2", 64), ("int8_token", 64), ("int4_token", 64), ("turbo_k4mse_v2", 64),
-           ("turbo_qjl_k3v3", 128)]
+           ("turbo_qjl_k3v3", 128), ("metal_uint2_q2_0", 128), ("fp8_e4m3", 64), ("turbo_k4v2_d80_96", 80)]
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU (interpreter) tests")
 
 

@@ -885,7 +885,8 @@ def __getattr__(name: str):
     if name == "reference":
         from kvqc.reference import bind
 
-        return bind(SCHEME)
+        globals()["reference"] = bind(SCHEME)  # built once: later lookups find it without coming here
+        return globals()["reference"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

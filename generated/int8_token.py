@@ -508,15 +508,13 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
     _check_head_dim(head_dim, "head_dim")
     item = torch.empty((), dtype=dtype).element_size()
-    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_key_meta_width(head_dim) + _value_meta_width(head_dim))
+    return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_meta_width("key", head_dim) + _meta_width("value", head_dim))
 
 
-def _key_meta_width(head_dim: int) -> int:
-    return len(KEY_METADATA) * (head_dim // KEY_GROUP_SIZE if KEY_GROUP_SIZE else 1)
-
-
-def _value_meta_width(head_dim: int) -> int:
-    return len(VALUE_METADATA) * (head_dim // VALUE_GROUP_SIZE if VALUE_GROUP_SIZE else 1)
+def _meta_width(side: str, head_dim: int) -> int:
+    """Metadata values per token and KV head of K (side="key") or V: the fields, once per scale group."""
+    metadata, group_size = (KEY_METADATA, KEY_GROUP_SIZE) if side == "key" else (VALUE_METADATA, VALUE_GROUP_SIZE)
+    return len(metadata) * (head_dim // group_size if group_size else 1)
 
 
 def allocate_cache(
@@ -537,9 +535,9 @@ def allocate_cache(
     shape = (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        key_meta=torch.zeros(*shape, _key_meta_width(head_dim), dtype=dtype, device=device),
+        key_meta=torch.zeros(*shape, _meta_width("key", head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
-        value_meta=torch.zeros(*shape, _value_meta_width(head_dim), dtype=dtype, device=device),
+        value_meta=torch.zeros(*shape, _meta_width("value", head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
     )
 
@@ -753,9 +751,9 @@ def _check_cache(cache: KVCache) -> None:
     rows = tuple(cache.key_codes.shape[:3])
     for name, dtype, last in (
         ("key_codes", torch.uint8, cache.head_dim * KEY_CODE_BITS // 8),
-        ("key_meta", cache.key_meta.dtype, _key_meta_width(cache.head_dim)),
+        ("key_meta", cache.key_meta.dtype, _meta_width("key", cache.head_dim)),
         ("value_codes", torch.uint8, cache.head_dim * VALUE_CODE_BITS // 8),
-        ("value_meta", cache.key_meta.dtype, _value_meta_width(cache.head_dim)),
+        ("value_meta", cache.key_meta.dtype, _meta_width("value", cache.head_dim)),
     ):
         t = getattr(cache, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):

@@ -49,7 +49,7 @@ from types import ModuleType
 
 import torch
 
-from . import paged
+from . import paged, rotation
 
 LMDEPLOY_VERSION = "0.18"
 # quant_policy -> (key code bits, key metadata fields, value code bits, value metadata fields, kvqc scheme)
@@ -103,9 +103,7 @@ def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     """LMDeploy's TurboQuant rotation Q = H / sqrt(d), Sylvester's H (symmetric, so Q = Q^T)."""
     if head_dim < 1 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim: LMDeploy's rotation needs a power of two, got {head_dim}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < head_dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.tensor(rotation.hadamard_matrix(head_dim), dtype=torch.float32)  # Sylvester's for powers of two
     return (h / math.sqrt(head_dim)).to(device)
 
 

@@ -84,7 +84,22 @@ class SideLayout:
 
     @property
     def group_size(self) -> int | None:
-        return self.scheme.scale.group_size
+        """Channels sharing one set of metadata (per-token scales); None for whole-head or per-channel scales."""
+        return None if self.per_channel else self.scheme.scale.group_size
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scheme.per_channel
+
+    @property
+    def token_group(self) -> int | None:
+        """Tokens sharing one per-channel scale; their head_dim x metadata values lie spread over their slots."""
+        return self.scheme.scale.group_size if self.per_channel else None
+
+    @property
+    def row_metadata(self) -> tuple[str, ...]:
+        """The fields stored once per token and head (the row factors); () when scales vary along the row."""
+        return () if self.scheme.scale.group_size else self.metadata
 
     def meta_width(self, head_dim: int) -> int:
         """Metadata values per token and head: the fields, once per scale group."""
@@ -94,14 +109,14 @@ class SideLayout:
     def row_factor(self) -> str | None:
         """The metadata field that multiplies a whole row (decode applies it to scores and probabilities, not
         to tiles); None when scales vary along the row (groups), so tiles are dequantized in full."""
-        if self.group_size:
+        if self.group_size or self.per_channel:
             return None
         return "norm" if self.scheme.scale.kind == "norm" else "scale"
 
     @property
     def row_shift(self) -> str | None:
         """The metadata field added to a whole row (a per-token affine zero), or None."""
-        return "zero" if self.scheme.scale.kind == "minmax" and not self.group_size else None
+        return "zero" if self.scheme.scale.kind == "minmax" and not (self.group_size or self.per_channel) else None
 
     @property
     def level_top(self) -> int:
@@ -123,7 +138,8 @@ class SideLayout:
     def meta_width_expr(self) -> str:
         """meta_width as a constexpr expression of HEAD_DIM, for the kernels."""
         n = len(self.metadata)
-        return f"(HEAD_DIM // {self.group_size} * {n})" if self.group_size else str(n)
+        g = self.scheme.scale.group_size
+        return f"(HEAD_DIM // {g} * {n})" if g else str(n)
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -185,6 +201,16 @@ class Layout:
     @property
     def padded(self) -> bool:
         return self.key.padded
+
+    @property
+    def window(self) -> int:
+        """Recent tokens per sequence also kept in the model dtype (0: none)."""
+        return self.scheme.window
+
+    @property
+    def per_channel(self) -> tuple[SideLayout, ...]:
+        """The sides whose scales are per channel: fill quantizes them a whole token group at a time."""
+        return tuple(s for s in self.sides if s.per_channel)
 
     @property
     def sides(self) -> tuple[SideLayout, SideLayout]:

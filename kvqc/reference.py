@@ -103,6 +103,38 @@ class SideReference:
         meta = meta.reshape(n, groups * meta.shape[-1])  # group-major: the fields of group 0, then of group 1, ...
         return Quantized(self.pack(code.view(n, d)), meta.to(meta_dtype), code.view(n, d), margin.view(n, d))
 
+    def quantize_channels(self, x: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
+        """A whole token group x [group_size, d] with one scale (and zero) per channel (scale.axis: channel).
+
+        The group's d x fields metadata values, channel-major, are spread over its slots: meta [group_size, width].
+        """
+        g, d = x.shape
+        yg = x.to(torch.float64).T  # [d, group_size]: each channel's run of tokens shares its scale
+        if self.s.scale.kind == "minmax":
+            code, margin, meta = self._affine(yg)
+        elif self.s.codebook.kind == "fp8":
+            code, margin, meta = self._fp8(yg)
+        else:
+            code, margin, meta = self._symmetric(yg)
+        code, margin = code.T.contiguous(), margin.T.contiguous()
+        return Quantized(self.pack(code), meta.reshape(g, -1).to(meta_dtype), code, margin)
+
+    def dequantize_channels(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """The inverse of quantize_channels for one complete group: [group_size, d] float64."""
+        code = self.unpack(codes)
+        g, d = code.shape
+        meta = meta.to(torch.float64).reshape(d, len(self.s.metadata))
+        y = self._level(code) * meta[None, :, 0]
+        return y + meta[None, :, 1] if self.s.scale.kind == "minmax" else y
+
+    def _level(self, code: torch.Tensor) -> torch.Tensor:
+        """A uniform or fp8 code's grid value before any scale."""
+        if self.s.scale.kind == "minmax":
+            return code.to(torch.float64)
+        if self.s.codebook.kind == "fp8":
+            return fp8_grid(self.s.codebook.format, by_code=True)[code]
+        return code.to(torch.float64) - (2 ** (self.s.codebook.bits - 1) - 1)
+
     def _affine(self, yg: torch.Tensor):
         levels = 2**self.s.codebook.bits - 1
         lo, hi = yg.min(dim=-1).values, yg.max(dim=-1).values
@@ -180,13 +212,7 @@ class SideReference:
         if self.s.scale.kind != "norm":
             groups = self.s.groups(d)
             meta = meta.view(n, groups, len(self.s.metadata))
-            if self.s.scale.kind == "minmax":
-                level = code.to(torch.float64)
-            elif self.s.codebook.kind == "fp8":
-                level = fp8_grid(self.s.codebook.format, by_code=True)[code]
-            else:
-                level = code.to(torch.float64) - (2 ** (bits - 1) - 1)
-            y = level.view(n, groups, d // groups) * meta[..., 0:1]
+            y = self._level(code).view(n, groups, d // groups) * meta[..., 0:1]
             if self.s.scale.kind == "minmax":
                 y = y + meta[..., 1:2]
             return self.unrotate(y.view(n, d))
@@ -244,48 +270,100 @@ class Reference:
         h = codes.shape[2]
         return codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
 
-    def fill(self, cache: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def fill(
+        self,
+        cache: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        window_index: torch.Tensor | None = None,
+    ) -> None:
+        """Tokens are taken one after another, in the order given: the definition the kernels must match."""
         keep = (slot_mapping >= 0).cpu()
         slots = slot_mapping.cpu()[keep].to(torch.int64)
         for name, x in (("key", key), ("value", value)):
+            if getattr(self.layout, name).per_channel:
+                continue  # quantized a whole token group at a time, below
             codes, meta = self._slots(cache, name)
             x = x.cpu()[keep]
             q = self.quantize(name, x.reshape(-1, x.shape[-1]), meta.dtype)
             codes[slots.to(codes.device)] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
             meta[slots.to(meta.device)] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
+        if not self.scheme.window:
+            return
+        w = self.scheme.window
+        for t in keep.nonzero().flatten().tolist():
+            slot, p, seq = int(slot_mapping[t]), int(positions[t]), int(window_index[t])
+            for name, x in (("key", key), ("value", value)):
+                ring = getattr(cache, f"{name}_window")
+                ring[seq, p % w] = x[t].to(ring.dtype)
+                side = getattr(self.layout, name)
+                if side.per_channel and p % side.token_group == side.token_group - 1:
+                    g = side.token_group
+                    members = torch.arange(p - g + 1, p + 1) % w
+                    codes, meta = self._slots(cache, name)
+                    for h in range(ring.shape[2]):
+                        group = ring[seq, members.to(ring.device), h].cpu()
+                        q = self.side(name, cache.head_dim).quantize_channels(group, meta.dtype)
+                        codes[slot - g + 1 : slot + 1, h] = q.codes.to(codes.device)
+                        meta[slot - g + 1 : slot + 1, h] = q.meta.to(meta.device)
 
-    def gather(self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """One sequence's dequantized K or V, float64 [seq_len, num_kv_heads, head_dim]."""
+    def gather(
+        self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None
+    ) -> torch.Tensor:
+        """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its last
+        `window` tokens, read from the ring row `window_row`."""
         block_size = cache.key_codes.shape[1]
         codes, meta = self._slots(cache, name)
-        if seq_len == 0:
-            return torch.zeros(0, codes.shape[1], cache.head_dim, dtype=torch.float64)
-        position = torch.arange(seq_len)
+        h = codes.shape[1]
+        quantized = max(seq_len - self.scheme.window, 0)
+        side = getattr(self.layout, name)
+        # Per-channel scales dequantize whole groups: every token before the window lies in a complete one.
+        span = -(-quantized // side.token_group) * side.token_group if side.per_channel else quantized
+        position = torch.arange(span)
         slots = block_table.cpu().to(torch.int64)[position // block_size] * block_size + position % block_size
         c, m = codes[slots.to(codes.device)].cpu(), meta[slots.to(meta.device)].cpu()  # gather, then copy
-        h = c.shape[1]
-        x = self.dequantize(name, c.reshape(seq_len * h, -1), m.reshape(seq_len * h, -1), cache.head_dim)
-        return x.view(seq_len, h, cache.head_dim)
+        if side.per_channel:
+            ref, g = self.side(name, cache.head_dim), side.token_group
+            x = torch.zeros(span, h, cache.head_dim, dtype=torch.float64)
+            for start in range(0, span, g):
+                for head in range(h):
+                    x[start : start + g, head] = ref.dequantize_channels(c[start : start + g, head], m[start : start + g, head])
+        else:
+            x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
+            x = x.view(span, h, cache.head_dim)
+        x = x[:quantized]
+        if seq_len > quantized:
+            ring = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
+            recent = torch.arange(quantized, seq_len) % self.scheme.window
+            x = torch.cat([x, ring[recent]])
+        return x
 
-    def flatten(self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    def flatten(self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, window_index=None):
         keys, values = [], []
-        for table, n in zip(block_tables.cpu(), seq_lens.tolist()):
-            keys.append(self.gather(cache, "key", table, n))
-            values.append(self.gather(cache, "value", table, n))
+        rows = window_index.tolist() if window_index is not None else [None] * len(seq_lens)
+        for table, n, r in zip(block_tables.cpu(), seq_lens.tolist(), rows):
+            keys.append(self.gather(cache, "key", table, n, r))
+            values.append(self.gather(cache, "value", table, n, r))
         empty = torch.zeros(0, cache.key_codes.shape[2], cache.head_dim, dtype=torch.float64)
         return (torch.cat(keys) if keys else empty), (torch.cat(values) if values else empty)
 
-    def decode(self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale=None):
+    def decode(
+        self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale=None,
+        window_index=None,
+    ):
         """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros."""
         batch, num_q_heads, d = query.shape
         group = num_q_heads // cache.key_codes.shape[2]
         scale = 1 / math.sqrt(d) if scale is None else scale
         out = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
-        for b, (table, n) in enumerate(zip(block_tables.cpu(), seq_lens.tolist())):
+        rows = window_index.tolist() if window_index is not None else [None] * batch
+        for b, (table, n, r) in enumerate(zip(block_tables.cpu(), seq_lens.tolist(), rows)):
             if n == 0:
                 continue
-            k = self.gather(cache, "key", table, n).repeat_interleave(group, dim=1)  # [n, Hq, d]
-            v = self.gather(cache, "value", table, n).repeat_interleave(group, dim=1)
+            k = self.gather(cache, "key", table, n, r).repeat_interleave(group, dim=1)  # [n, Hq, d]
+            v = self.gather(cache, "value", table, n, r).repeat_interleave(group, dim=1)
             q = query[b].cpu().to(torch.float64)
             p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
             out[b] = torch.einsum("hn,nhd->hd", p, v)

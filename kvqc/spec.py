@@ -26,6 +26,7 @@ MAX_FILE_BYTES = 64 * 1024
 MAX_DEPTH = 8
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+MAX_WINDOW = 4096
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,62}\Z")
 
 
@@ -48,8 +49,10 @@ class Rotation:
 class Scale:
     # norm: L2 norm, codes index the unit vector | minmax: affine (scale, zero) | absmax: symmetric (scale only)
     kind: str
+    # token: scales per token, shared by group_size channels (None: the whole head) | channel: scales per
+    # channel, shared by group_size consecutive tokens of a sequence (KIVI's keys)
     axis: str = "token"
-    group_size: int | None = None  # channels sharing one scale; None: the whole head (one per token and head)
+    group_size: int | None = None
     unbiased: bool = False  # norm only: store |y|^2 / <y, y_hat> so that <q, y_hat> is unbiased (DRIVE/EDEN)
 
 
@@ -90,8 +93,13 @@ class TensorScheme:
         return self.codebook.bits + (self.residual.kind != "none")
 
     def groups(self, head_dim: int) -> int:
-        """Scale groups per token and head: each stores one set of `metadata` fields."""
+        """Sets of `metadata` fields stored per token and head. Per-channel scales store head_dim sets per group
+        of group_size tokens, spread over the group's slots: head_dim / group_size per token as well."""
         return head_dim // self.scale.group_size if self.scale.group_size else 1
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.axis == "channel"
 
     @property
     def metadata(self) -> tuple[str, ...]:
@@ -113,6 +121,9 @@ class Scheme:
     key: TensorScheme
     value: TensorScheme
     source: str = "<memory>"
+    # The most recent `window` tokens of each sequence are also kept unquantized, in the model dtype, in a ring of
+    # window slots per sequence; attention reads them from there. 0: no window.
+    window: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain data that `scheme_from_dict` reads back: what modules embed and the hash covers."""
@@ -145,7 +156,7 @@ class Scheme:
                 "packing": t.packing,
             }
 
-        return {
+        out = {
             "version": self.version,
             "name": self.name,
             "description": self.description,
@@ -153,6 +164,9 @@ class Scheme:
             "key": tensor(self.key),
             "value": tensor(self.value),
         }
+        if self.window:
+            out["window"] = self.window
+        return out
 
     @property
     def content_hash(self) -> str:
@@ -304,8 +318,10 @@ def _scale(source: str, path: str, data: Any) -> Scale:
     f = _kind(source, path, data, ("norm", "minmax", "absmax"), ("axis", "group_size", "unbiased"))
     kind = f.data["kind"]
     axis = f.choice("axis", ("token", "channel"), default="token")
-    if axis != "token":
-        f.fail("axis", "per-channel scales are not supported by this kvqc version; use axis: token")
+    if axis == "channel" and kind == "norm":
+        f.fail("axis", "a norm scale is per token (codes index the unit vector); use kind: minmax or absmax")
+    if axis == "channel" and not f.has("group_size"):
+        f.fail("group_size", "missing required field: per-channel scales are shared by group_size tokens (KIVI: 32)")
     group_size = None
     if f.has("group_size"):
         if kind == "norm":
@@ -386,6 +402,11 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
     if t.residual.kind != "none" and t.codebook.kind != "lloyd_max":
         f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")
+    if t.per_channel and t.rotation.kind != "none":
+        # Per-channel scales exist to fence off outlier channels, and a rotation spreads every channel over all.
+        f.fail("rotation", "per-channel scales (scale.axis: channel) work on the channels as given; use rotation: none")
+    if t.per_channel and t.packing != "split":
+        f.fail("packing", "per-channel scales need split packing (stored positions are the channels); use split")
     if t.code_bits > 8:
         f.fail("codebook.bits", f"{t.codebook.bits} bits plus a 1-bit residual exceed 8 bits per coordinate")
     if t.packing == "interleaved" and t.code_bits not in (1, 2, 4, 8):
@@ -394,7 +415,7 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
 
 
 def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | None = None) -> Scheme:
-    f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value"))
+    f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value", "window"))
     version = f.require("version")
     if type(version) is not int or version != FORMAT_VERSION:
         f.fail("version", f"expected {FORMAT_VERSION} (the only scheme format this kvqc reads), got {_show(version)}")
@@ -420,6 +441,7 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         key=_tensor(source, "key", f.require("key")),
         value=_tensor(source, "value", f.require("value")),
         source=source,
+        window=f.integer("window", 1, MAX_WINDOW) if f.has("window") else 0,
     )
     for side in ("key", "value"):
         t: TensorScheme = getattr(scheme, side)
@@ -433,6 +455,25 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                 f"{side}'s {t.code_bits}-bit codes need head_dim >= {128 // narrowest} (a {narrowest}-bit plane); "
                 f"remove {too_small}",
             )
+        if t.per_channel:
+            g = t.scale.group_size
+            odd = [d for d in scheme.head_dims if d & (d - 1)]
+            if odd:
+                f.fail("head_dims", f"{side}'s per-channel scales need power-of-two head_dims; remove {odd}")
+            if scheme.window < g:
+                f.fail(
+                    "window" if scheme.window else f"{side}.scale.axis",
+                    f"{side}'s per-channel scales wait for {g} tokens (group_size) before quantizing them: "
+                    f"add window: {g} or more at the top level" + (f", got {scheme.window}" if scheme.window else ""),
+                )
+            uneven = [d for d in scheme.head_dims if len(t.metadata) * d % g]
+            if uneven:
+                f.fail(
+                    f"{side}.scale.group_size",
+                    f"a group's {len(t.metadata)} x head_dim metadata values are spread over its {g} slots, which "
+                    f"needs {g} to divide {len(t.metadata) * uneven[0]} (head_dim {uneven[0]}); use a smaller group_size",
+                )
+            continue
         # Fill reduces each scale group inside one unpacked chunk of d * narrowest / 8 columns.
         g = t.scale.group_size
         wide = [d for d in scheme.head_dims if g and (d * narrowest // 8) % g]

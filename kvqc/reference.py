@@ -283,8 +283,8 @@ class Reference:
         keep = (slot_mapping >= 0).cpu()
         slots = slot_mapping.cpu()[keep].to(torch.int64)
         for name, x in (("key", key), ("value", value)):
-            if getattr(self.layout, name).per_channel:
-                continue  # quantized a whole token group at a time, below
+            if getattr(self.layout, name).per_channel or not len(slots):
+                continue  # per channel: quantized a whole token group at a time, below
             codes, meta = self._slots(cache, name)
             x = x.cpu()[keep]
             q = self.quantize(name, x.reshape(-1, x.shape[-1]), meta.dtype)

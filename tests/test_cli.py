@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SCHEMES
+from conftest import ALL_SCHEMES as SCHEMES
+from conftest import ROOT
 from test_spec import scheme_specs  # the grammar of legal schemes
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st

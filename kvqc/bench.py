@@ -37,6 +37,7 @@ FILL_CHUNK_BYTES = 256 * MiB  # fp16 input per fill call while populating a cach
 ATTEND_TOKENS = 16  # new query tokens per sequence for attend: a speculative-decoding verification step
 ERR_WARN = 1e-2  # decode vs SDPA on the same dequantized cache: only fp rounding should separate them
 CACHE_FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
+WINDOW_FIELDS = ("key_window", "value_window")  # schemes with a recent-token window: one ring row per sequence
 DEVICE = "cuda"  # one place, so the pipeline can be smoke-tested on CPU under the interpreter
 
 
@@ -108,8 +109,10 @@ def rotation_count(copy_bytes: int, l2_bytes: int, free_bytes: int, fraction: fl
     return min(L2_MULTIPLE * l2_bytes // max(1, copy_bytes) + 1, fit)
 
 
-def decode_bytes(batch: int, context: int, kv_heads: int, bytes_per_token: int) -> int:
-    return batch * context * kv_heads * bytes_per_token
+def decode_bytes(batch: int, context: int, kv_heads: int, bytes_per_token: int, window: int = 0, head_dim: int = 0) -> int:
+    """Bytes decode must read: quantized tokens, and a window scheme's last `window` tokens in fp16 (K and V)."""
+    recent = min(window, context)
+    return batch * kv_heads * ((context - recent) * bytes_per_token + recent * 2 * head_dim * 2)
 
 
 def fp16_kv_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
@@ -177,7 +180,29 @@ def _has_enable_gqa() -> bool:
 
 
 def _cache_bytes(cache) -> int:
-    return sum(getattr(cache, f).numel() * getattr(cache, f).element_size() for f in CACHE_FIELDS)
+    return sum(getattr(cache, f).numel() * getattr(cache, f).element_size() for f in _fields(cache))
+
+
+def _fields(cache) -> tuple[str, ...]:
+    return CACHE_FIELDS + (WINDOW_FIELDS if hasattr(cache, "key_window") else ())
+
+
+def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, batch: int):
+    rows = {"max_seqs": batch} if hasattr(module, "WINDOW") else {}  # sequence b keeps ring row b
+    return module.allocate_cache(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=torch.float16, **rows)
+
+
+def _rows(module: ModuleType, batch: int) -> tuple:
+    """The ring rows decode, flatten and attend take for a window scheme (sequence b: row b); () otherwise."""
+    return (torch.arange(batch, device=DEVICE),) if hasattr(module, "WINDOW") else ()
+
+
+def _token_rows(module: ModuleType, batch: int, seq_len: int) -> tuple:
+    """positions and ring rows of the tokens slot_mapping lists, for a window scheme's fill; () otherwise."""
+    if not hasattr(module, "WINDOW"):
+        return ()
+    positions = torch.arange(seq_len, device=DEVICE).repeat(batch)
+    return positions, torch.arange(batch, device=DEVICE).repeat_interleave(seq_len)
 
 
 def _block_tables(batch: int, blocks_per_seq: int) -> torch.Tensor:
@@ -195,19 +220,20 @@ def slot_mapping(block_tables: torch.Tensor, seq_len: int, block_size: int) -> t
 def _populate(module: ModuleType, cache, block_tables: torch.Tensor, seq_len: int) -> None:
     """Random fp16 K/V through fill into every sequence's slots, in chunks to bound the staging memory."""
     slots = slot_mapping(block_tables, seq_len, cache.block_size)
+    window = _token_rows(module, block_tables.shape[0], seq_len)
     h, d = cache.num_kv_heads, cache.head_dim
     chunk = max(1, FILL_CHUNK_BYTES // fp16_kv_bytes(1, h, d))
     for start in range(0, slots.numel(), chunk):
         part = slots[start:start + chunk]
         key = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
         value = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
-        module.fill(cache, key, value, part)
+        module.fill(cache, key, value, part, *(t[start:start + chunk] for t in window))
 
 
 def _clone_cache(module: ModuleType, cache):
-    copy = module.allocate_cache(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
-                                 device=DEVICE, dtype=torch.float16)
-    for field in CACHE_FIELDS:
+    batch = cache.key_window.shape[0] if hasattr(cache, "key_window") else 0
+    copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch)
+    for field in _fields(cache):
         getattr(copy, field).copy_(getattr(cache, field))
     return copy
 
@@ -232,7 +258,8 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     # The cache under test, filled with real codes.
     block_tables = _block_tables(b, math.ceil(n / bs))
     seq_lens = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-    cache = module.allocate_cache(b * math.ceil(n / bs), bs, hkv, d, device=DEVICE, dtype=torch.float16)
+    cache = _allocate(module, b * math.ceil(n / bs), bs, hkv, d, b)
+    rows = _rows(module, b)
     copies = rotation_count(_cache_bytes(cache), l2, free)
     if copies == 0:
         row.update(status="skipped", note="one cache does not fit in the memory budget")
@@ -242,30 +269,30 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
 
     # Correctness first: decode against SDPA over the same dequantized cache isolates kernel error from
     # quantization error.
-    key, value = module.flatten(cache, block_tables, seq_lens)
+    key, value = module.flatten(cache, block_tables, seq_lens, *rows)
     want = sdpa(query.unsqueeze(2), _as_bhnd(key, b, n), _as_bhnd(value, b, n)).squeeze(2)
     del key, value
-    got = module.decode(query, cache, block_tables, seq_lens)
+    got = module.decode(query, cache, block_tables, seq_lens, *rows)
     row["rel_err"] = rel_l2(got, want)
     del got, want
 
     # Scratch: what one decode call allocates beyond the cache and its inputs (the warm call above built its tables).
-    row["scratch_mib"] = _scratch_mib(lambda: module.decode(query, cache, block_tables, seq_lens))
+    row["scratch_mib"] = _scratch_mib(lambda: module.decode(query, cache, block_tables, seq_lens, *rows))
 
     # Decode and flatten over rotating cache copies.
     caches = [cache] + [_clone_cache(module, cache) for _ in range(copies - 1)]
     row["copies"] = {"kvqc": copies}
-    row["kvqc_ms"] = _bench(_rotating(lambda c: module.decode(query, c, block_tables, seq_lens),
+    row["kvqc_ms"] = _bench(_rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows),
                                       [(c,) for c in caches]))
     # flatten reads seq_lens on the host, so its time includes that sync and the launch behind it.
-    row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens),
+    row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens, *rows),
                                          [(c,) for c in caches]))
     if hasattr(module, "attend"):
         _measure_attend(module, row, caches, block_tables, seq_lens, hq)
     del caches, cache
     torch.cuda.empty_cache()
 
-    kv_bytes = decode_bytes(b, n, hkv, bpt)
+    kv_bytes = decode_bytes(b, n, hkv, bpt, getattr(module, "WINDOW", 0), d)
     fp16_bytes = fp16_kv_bytes(b * n, hkv, d)
     row["floor_ms"] = floor_ms(kv_bytes, bw)
     row["fraction_of_floor"] = row["floor_ms"] / row["kvqc_ms"]
@@ -296,8 +323,9 @@ def _measure_attend(module: ModuleType, row: dict, caches: list, block_tables: t
     query = torch.randn(b * q_len, q_heads, d, dtype=torch.float16, device=DEVICE)
     starts = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32, device=DEVICE)
     row["attend_tokens"] = q_len
-    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts))
-    row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts),
+    rows = _rows(module, b)
+    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts, *rows))
+    row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts, *rows),
                                         [(c,) for c in caches]))
 
 
@@ -326,10 +354,11 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
     blocks_per_seq = math.ceil(per_seq / bs)
 
     def copy_set() -> tuple:
-        cache = module.allocate_cache(b * blocks_per_seq, bs, hkv, d, device=DEVICE, dtype=torch.float16)
+        cache = _allocate(module, b * blocks_per_seq, bs, hkv, d, b)
         key = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
         value = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
-        return cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs)
+        return (cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs),
+                *_token_rows(module, b, per_seq))
 
     first = copy_set()
     set_bytes = _cache_bytes(first[0]) + fp16_kv_bytes(tokens, hkv, d) + tokens * 8
@@ -343,6 +372,7 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
     row["fill_ms"] = _bench(_rotating(module.fill, sets))
     del sets, first
     row["fill_bytes"] = fp16_kv_bytes(tokens, hkv, d) + tokens * hkv * row["bytes_per_token"]
+    row["fill_bytes"] += fp16_kv_bytes(b * min(per_seq, getattr(module, "WINDOW", 0)), hkv, d)  # ring writes
     row["fill_fraction_of_bw"] = gbps(row["fill_bytes"], row["fill_ms"]) / cfg["copy_gbps"]
 
 

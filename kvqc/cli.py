@@ -52,14 +52,16 @@ def _list(args: argparse.Namespace) -> int:
 
     d = args.head_dim
     schemes = [load_scheme(path) for path in _schemes(args.schemes)]  # every file valid before any output
-    print(f"{'scheme':<20} {'K bits':>7} {'V bits':>7} {'bytes/token':>12} {'vs fp16':>8}   (head_dim {d}, 16-bit metadata)")
+    print(f"{'scheme':<20} {'K bits':>7} {'V bits':>7} {'bytes/token':>12} {'vs fp16':>8} {'window':>7}   "
+          f"(head_dim {d}, 16-bit metadata; window: recent tokens kept unquantized)")
     for scheme in schemes:
         if d not in scheme.head_dims:
             print(f"{scheme.name:<20} (not built for head_dim {d}; built for {list(scheme.head_dims)})")
             continue
         layout = plan(scheme)
         kb, vb = scheme.bits_per_coordinate(d)
-        print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} {layout.compression_ratio(d):>7.2f}x")
+        print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} {layout.compression_ratio(d):>7.2f}x "
+              f"{scheme.window or '-':>7}")
     return 0
 
 
@@ -79,15 +81,34 @@ def _explain(args: argparse.Namespace) -> int:
         fields = ", ".join(side.metadata)
         if side.group_size:
             fields += f" for each of {d // side.group_size} groups of {side.group_size} channels"
+        if side.per_channel:
+            g = side.token_group
+            fields += (f" for each of the {d} channels, per group of {g} tokens: the group's "
+                       f"{d * len(side.metadata)} values spread over its {g} slots")
         print(f"  {side.name + '_meta':<12} fp16    [num_blocks, B, H, {side.meta_width(d)}]  {fields}")
+    if scheme.window:
+        print(f"ring tensors ([max_seqs, {scheme.window}, H, d], one row per live sequence):")
+        for name in ("key", "value"):
+            print(f"  {name + '_window':<12} fp16    [max_seqs, {scheme.window}, H, {d}]  the sequence's last "
+                  f"{scheme.window} tokens as given, at position % {scheme.window}")
     print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), {layout.compression_ratio(d):.2f}x smaller")
+    if scheme.window:
+        print(f"ring bytes per sequence and KV head: {4 * d * scheme.window} (the last {scheme.window} tokens' K and V "
+              "in fp16, besides their slots)")
     for side in layout.sides:
         print(f"{side.name}: {describe(side)}")
     print("kernels:")
     print("  fill     quantize new tokens [T, H, d] and write them to slot_mapping's slots (negative = skip)")
+    if scheme.window:
+        print(f"           and copy each sequence's last {scheme.window} into its ring row (positions, window_index)")
+    for side in layout.per_channel:
+        print(f"           {side.name}: when a token completes a group of {side.token_group}, quantize the group "
+              "from this call's tokens and the ring")
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     print("           the query is rotated once and the output rotated back once")
+    if scheme.window:
+        print(f"           the last {scheme.window} tokens: one more split over the ring, unquantized")
     return 0
 
 

@@ -45,7 +45,10 @@ def describe(side: SideLayout) -> str:
     parts = []
     if s.rotation.kind == "hadamard":
         parts.append("randomized Hadamard rotation" if s.rotation.signs else "Walsh-Hadamard rotation")
-    per = f"per group of {s.scale.group_size} channels" if s.scale.group_size else "per-token"
+    if s.per_channel:
+        per = f"per-channel (shared by {s.scale.group_size} tokens)"
+    else:
+        per = f"per group of {s.scale.group_size} channels" if s.scale.group_size else "per-token"
     if s.scale.kind == "norm":
         law = "N(0,1/d)" if s.codebook.law == "gaussian" else "unit-sphere"
         norm = "unbiased (DRIVE/EDEN) norm" if s.scale.unbiased else "L2 norm"

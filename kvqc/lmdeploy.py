@@ -119,6 +119,11 @@ class Kernels:
             )
         key_bits, key_fields, value_bits, value_fields, twin = POLICIES[quant_policy]
         name = module.SCHEME["name"]
+        if hasattr(module, "WINDOW"):
+            raise ValueError(
+                f"module: {name} keeps each sequence's last {module.WINDOW} tokens in a ring row per sequence, which "
+                "LMDeploy's fill/flatten/attention calls do not pass (use a scheme without window)"
+            )
         grouped = [side for side in ("KEY", "VALUE") if getattr(module, f"{side}_GROUP_SIZE", None)]
         if grouped:
             raise ValueError(

@@ -127,6 +127,25 @@ class SideReference:
         y = self._level(code) * meta[None, :, 0]
         return y + meta[None, :, 1] if self.s.scale.kind == "minmax" else y
 
+    def roundtrip(self, x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
+        """x [tokens, d], one sequence's K or V in order, quantized and read back (no window: every token).
+
+        Per-channel scales take consecutive groups of group_size tokens; a last, incomplete group is quantized
+        over the tokens it has (its last row repeated, which moves no minimum or maximum).
+        """
+        if not self.s.per_channel:
+            q = self.quantize(x, meta_dtype)
+            return self.dequantize(q.codes, q.meta)
+        g = self.s.scale.group_size
+        out = torch.empty(x.shape, dtype=torch.float64)
+        for start in range(0, x.shape[0], g):
+            group = x[start : start + g].to(torch.float64)
+            n = group.shape[0]
+            group = torch.cat([group, group[-1:].expand(g - n, -1)])
+            q = self.quantize_channels(group, meta_dtype)
+            out[start : start + n] = self.dequantize_channels(q.codes, q.meta)[:n]
+        return out
+
     def _level(self, code: torch.Tensor) -> torch.Tensor:
         """A uniform or fp8 code's grid value before any scale."""
         if self.s.scale.kind == "minmax":

@@ -60,19 +60,21 @@ _INITIAL_BLOCKS_PER_SEQ = 4
 
 
 class _Kernels:
-    """fill / flatten / decode of a generated module, compiled or interpreted."""
+    """fill / flatten / decode of a generated module, compiled or interpreted. `window` holds (positions, ring
+    rows) for fill and the ring rows for flatten and decode: what a scheme with a recent-token window takes."""
 
     def __init__(self, module: ModuleType):
         self.module = module
+        self.windowed = hasattr(module, "WINDOW")
 
-    def fill(self, cache, key, value, slots):
-        self.module.fill(cache, key, value, slots)
+    def fill(self, cache, key, value, slots, window):
+        self.module.fill(cache, key, value, slots, *(window if self.windowed else ()))
 
-    def flatten(self, cache, block_tables, seq_lens):
-        return self.module.flatten(cache, block_tables, seq_lens)
+    def flatten(self, cache, block_tables, seq_lens, rows):
+        return self.module.flatten(cache, block_tables, seq_lens, *((rows,) if self.windowed else ()))
 
-    def decode(self, query, cache, block_tables, seq_lens, scale):
-        return self.module.decode(query, cache, block_tables, seq_lens, scale=scale)
+    def decode(self, query, cache, block_tables, seq_lens, scale, rows):
+        return self.module.decode(query, cache, block_tables, seq_lens, *((rows,) if self.windowed else ()), scale=scale)
 
 
 class _Reference:
@@ -82,15 +84,15 @@ class _Reference:
         self.module = module
         self.oracle = module.reference  # a kvqc.reference.Reference bound to the module's embedded scheme
 
-    def fill(self, cache, key, value, slots):
-        self.oracle.fill(cache, key, value, slots)
+    def fill(self, cache, key, value, slots, window):
+        self.oracle.fill(cache, key, value, slots, *window)
 
-    def flatten(self, cache, block_tables, seq_lens):
-        k, v = self.oracle.flatten(cache, block_tables, seq_lens)
+    def flatten(self, cache, block_tables, seq_lens, rows):
+        k, v = self.oracle.flatten(cache, block_tables, seq_lens, rows)
         return k.to(device=cache.device, dtype=cache.dtype), v.to(device=cache.device, dtype=cache.dtype)
 
-    def decode(self, query, cache, block_tables, seq_lens, scale):
-        out = self.oracle.decode(query, cache, block_tables, seq_lens, scale=scale)
+    def decode(self, query, cache, block_tables, seq_lens, scale, rows):
+        out = self.oracle.decode(query, cache, block_tables, seq_lens, scale=scale, window_index=rows)
         return out.to(device=query.device, dtype=query.dtype)
 
 
@@ -289,9 +291,17 @@ class QuantizedLayer(_Layer):
             self._tables = torch.zeros(batch, _INITIAL_BLOCKS_PER_SEQ, dtype=torch.int64)
             self._owned = [0] * batch
             self._next_block = 0
-        self.cache = self.module.allocate_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                                device=self.device, dtype=self.dtype)
+        self.cache = self._new_cache(num_blocks)
         self._device_tables = None
+
+    def _new_cache(self, num_blocks: int):
+        # A scheme with a recent-token window keeps one ring row per batch row (window_index = the row).
+        rows = {"max_seqs": len(self._owned)} if hasattr(self.module, "WINDOW") else {}
+        return self.module.allocate_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                          device=self.device, dtype=self.dtype, **rows)
+
+    def _rows(self) -> torch.Tensor:
+        return torch.arange(len(self._owned), dtype=torch.int64, device=self.device)
 
     def _release(self) -> None:
         self.cache = self._tables = self._device_tables = None
@@ -305,10 +315,12 @@ class QuantizedLayer(_Layer):
             return
         if self._next_block + extra > self.cache.num_blocks:
             num_blocks = max(self._next_block + extra, 2 * self.cache.num_blocks)
-            grown = self.module.allocate_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                               device=self.device, dtype=self.dtype)
+            grown = self._new_cache(num_blocks)
             for field in ("key_codes", "key_meta", "value_codes", "value_meta"):
                 getattr(grown, field)[: self.cache.num_blocks].copy_(getattr(self.cache, field))
+            for field in ("key_window", "value_window"):
+                if hasattr(grown, field):
+                    getattr(grown, field).copy_(getattr(self.cache, field))
             self.cache = grown
         if max(need) > self._tables.shape[1]:
             columns = max(max(need), 2 * self._tables.shape[1])
@@ -339,18 +351,20 @@ class QuantizedLayer(_Layer):
         slots = torch.where(keep, block * self.block_size + position % self.block_size, torch.full_like(block, -1))
         k = key.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
         v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
-        self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device))
+        positions = position.view(-1).to(self.device)
+        rows = self._rows().repeat_interleave(tokens)
+        self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device), (positions, rows))
 
     def flatten(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's dequantized K and V one after another: [sum(seq_lens), num_kv_heads, head_dim] each."""
-        return self.ops.flatten(self.cache, self.block_tables, self.seq_lens_tensor())
+        return self.ops.flatten(self.cache, self.block_tables, self.seq_lens_tensor(), self._rows())
 
     def sequences(self):
         k, v = self.flatten()
         return list(zip(k.split(self.seq_lens), v.split(self.seq_lens)))
 
     def decode(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.ops.decode(query.contiguous(), self.cache, self.block_tables, self.seq_lens_tensor(), scale)
+        return self.ops.decode(query.contiguous(), self.cache, self.block_tables, self.seq_lens_tensor(), scale, self._rows())
 
 
 class FullPrecisionLayer(_Layer):

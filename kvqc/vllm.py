@@ -153,7 +153,13 @@ def forward(
 
 def scheme_module() -> ModuleType:
     """The generated module named by $KVQC_VLLM_SCHEME (a scheme name, .py or .yaml path; default turbo_k4v2)."""
-    return paged.load_module(os.environ.get(SCHEME_ENV) or DEFAULT_SCHEME)
+    module = paged.load_module(os.environ.get(SCHEME_ENV) or DEFAULT_SCHEME)
+    if hasattr(module, "WINDOW"):
+        raise ValueError(
+            f"{SCHEME_ENV}: {module.SCHEME['name']} keeps each sequence's last {module.WINDOW} tokens in a ring row per "
+            "sequence, which this backend does not allocate yet (use a scheme without window)"
+        )
+    return module
 
 
 _BYTES_PER_TOKEN: dict[int, int] = {}  # head_size -> bytes per token and head, recorded when the spec is built

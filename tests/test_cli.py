@@ -350,7 +350,7 @@ BAD = {
         _edit(INT8, "bits: 8}", "bits: !!python/object/apply:os.system [echo pwned]}"),
         "could not determine a constructor",
     ),
-    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, got None"),
+    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, got None"),
 }
 
 
@@ -654,8 +654,9 @@ def test_damaged_files_build_or_fail_cleanly(case):
 BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
     "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
-    "turbo_k4v2": 102, "turbo_qjl_k3v3": 102,
+    "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36,
 }
+WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64"}
 NOT_AT_128 = ("turbo_k4v2_d80_96",)
 BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
             "turbo_k4mse_v2": 52, "turbo_k4v2": 54}
@@ -672,7 +673,8 @@ def test_list_prints_one_line_per_scheme(monkeypatch):
         if row.split()[0] in NOT_AT_128:
             assert "(not built for head_dim 128; built for [80, 96])" in row
             continue
-        name, kbits, vbits, nbytes, ratio = row.split()
+        name, kbits, vbits, nbytes, ratio, window = row.split()
+        assert window == WINDOWS.get(name, "-")
         scheme = load_scheme(SCHEME_DIR / f"{name}.yaml")
         assert (float(kbits), float(vbits)) == pytest.approx(scheme.bits_per_coordinate(128), abs=5e-4)
         assert int(nbytes) == BYTES_128[name]

@@ -281,6 +281,7 @@ def test_uneven_query_tokens_follow_cu_seqlens_q():
 @pytest.mark.parametrize("name, match", [
     ("metal_uint2_q2_0", "groups of channels"),
     ("turbo_k4v2_d80_96", r"head_dim \[80, 96\]"),
+    ("kivi_k2v2", "ring row per sequence"),
 ])
 def test_refuses_layouts_lmdeploy_cannot_hold(name, match):
     with pytest.raises(ValueError, match=match):

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, ROOT
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -321,3 +321,36 @@ def test_eval_usage_errors(capsys):
         kvqc_eval.parse_policy("first2", 30)
     assert kvqc_eval.parse_policy("first2+last1=none,5..6=int8_token", 30) == {
         0: "none", 1: "none", 29: "none", 5: "int8_token", 6: "int8_token"}
+
+
+WINDOWED = str(ROOT / "tests" / "schemes" / "window" / "channel_value_absmax.yaml")  # head_dim 64, window 16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_scheme_in_a_left_padded_batch(tiny, backend):
+    """A scheme with a recent-token window and per-channel scales: ring rows are batch rows, positions count the
+    row's stored tokens, and a left-padded batch generates what each prompt does alone."""
+    a, b = prompt(8, 37), prompt(9, 21)
+    batch = torch.zeros(2, 37, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(batch)
+    batch[0], mask[0] = a[0], 1
+    batch[1, 16:], mask[1, 16:] = b[0], 1
+    new = 6
+    past = kq.cache(WINDOWED, tiny.config, backend=backend, block_size=16)
+    seen = record_updates(past)
+    together = generate(tiny, batch, new, past, attention_mask=mask, attention=kq.ATTENTION)
+    layer = past.layers[0]
+    assert layer.seq_lens == [37 + new - 1, 21 + new - 1]
+    # The last 16 tokens of each row come back exactly as the model gave them; older ones quantized.
+    key = torch.cat([k for k, _ in seen[0]], dim=2)  # [2, heads, 37 + new - 1, dim], padding included
+    stored = layer.sequences()
+    torch.testing.assert_close(stored[0][0][-16:].cpu(), key[0, :, -16:].transpose(0, 1).cpu(), rtol=0, atol=0)
+    assert not torch.equal(stored[0][1][:16].cpu(), torch.cat([v for _, v in seen[0]], dim=2)[0, :, :16].transpose(0, 1).cpu())
+    ref_k, ref_v = layer.module.reference.flatten(layer.cache, layer.block_tables, layer.seq_lens_tensor(),
+                                                  torch.arange(2, device=DEVICE))
+    torch.testing.assert_close(torch.cat([k for k, _ in stored]).cpu().double(), ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([v for _, v in stored]).cpu().double(), ref_v, rtol=1e-5, atol=1e-5)
+    for row, ids in enumerate((a, b)):
+        alone = generate(tiny, ids, new, kq.cache(WINDOWED, tiny.config, backend=backend, block_size=16),
+                         attention=kq.ATTENTION)
+        assert together[row].tolist() == alone[0].tolist()

@@ -256,3 +256,9 @@ def test_register_and_run_through_the_classes(fake_vllm):
     want = expected(backend.kvqc_module, kv.carve(backend.kvqc_module, raw, 64, torch.float16), batch, q, 0.125)
     assert rel_err(out[:5], want) < 3e-3
     assert not impl.forward(None, q, k, v, raw, None, output=torch.ones_like(q)).any()  # profiling run
+
+
+def test_window_schemes_are_refused(monkeypatch):
+    monkeypatch.setenv(kv.SCHEME_ENV, "sign1_window")
+    with pytest.raises(ValueError, match="^KVQC_VLLM_SCHEME: sign1_window keeps"):
+        kv.scheme_module()

@@ -398,7 +398,7 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         f.fail("scale", "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)")
     if t.scale.unbiased and t.residual.kind == "qjl":
         f.fail("scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
-    if t.scale.group_size and t.packing == "interleaved" and t.code_bits < 8:
+    if t.scale.group_size and not t.per_channel and t.packing == "interleaved" and t.code_bits < 8:
         f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
     if t.residual.kind != "none" and t.codebook.kind != "lloyd_max":
         f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")

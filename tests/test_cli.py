@@ -720,7 +720,8 @@ def test_explain_turbo_k4v2(capsys):
 
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
-NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q8_0_q3_0", "metal_uint2_q2_0")}
+NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q8_0_q3_0", "metal_uint2_q2_0",
+                                     "kivi_k2v2", "sign1_window")}
 NOT_BUILT |= {("turbo_k4v2_d80_96", d) for d in (64, 128, 256)}
 
 
@@ -739,6 +740,9 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     assert f"shown for head_dim {shown}" in out
     for side in ("key", "value"):
         assert out.count(f"  {side + '_codes':<12} uint8") == 1 and out.count(f"  {side + '_meta':<12} fp16") == 1
+    if scheme.window:
+        assert f"ring bytes per sequence and KV head: {4 * shown * scheme.window}" in out
+        assert out.count(f"[max_seqs, {scheme.window}, H, {shown}]") == 2
 
 
 def test_explain_unsupported_head_dim_falls_back(capsys):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SCHEMES
+from conftest import ALL_SCHEMES as SCHEMES
+from conftest import ROOT
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -252,7 +253,21 @@ FIELD_ERRORS = [
     ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "signs": "maybe"}), "key.rotation.signs", "expected true or false"),
     ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "signs": 1}), "key.rotation.signs", "got 1"),
     ("int8_token", _set(("key", "rotation"), None), "key.rotation", "expected a mapping"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel"}), "key.scale.axis", "per-channel scales are not supported"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel"}), "key.scale.group_size", "missing required field: per-channel"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel", "group_size": 32}), "key.scale.axis", "add window: 32 or more"),
+    ("int8_token", _set(("window",), 0), "window", "expected an integer 1..4096, got 0"),
+    ("int8_token", _set(("window",), 4097), "window", "expected an integer 1..4096"),
+    ("int8_token", _set(("window",), "64"), "window", "got '64'"),
+    ("int8_token", _set(("window",), 1), "window", None),
+    ("kivi_k2v2", _set(("window",), 16), "window", "wait for 32 tokens (group_size) before quantizing them: add window: 32 or more at the top level, got 16"),
+    ("kivi_k2v2", _set(("window",), 32), "window", None),
+    ("kivi_k2v2", _set(("key", "scale"), {"kind": "norm", "axis": "channel"}), "key.scale.axis", "a norm scale is per token"),
+    ("kivi_k2v2", _set(("key", "scale", "group_size"), 48), "key.scale.group_size", "expected a power of two"),
+    ("kivi_k2v2", _set(("key", "scale", "kind"), "absmax"), "key.scale", None),
+    ("kivi_k2v2", _set(("key", "rotation"), "hadamard"), "key.rotation", "use rotation: none"),
+    ("kivi_k2v2", _set(("key", "packing"), "interleaved"), "key.packing", "per-channel scales need split packing"),
+    ("kivi_k2v2", _set(("head_dims",), [96]), "head_dims", "per-channel scales need power-of-two head_dims; remove [96]"),
+    ("kivi_k2v2", _set(("key", "scale", "group_size"), 128), "key.scale.group_size", None),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "head"}), "key.scale.axis", "expected one of token, channel"),
     ("int8_token", _set(("key", "scale"), "norm"), "key.scale", "uniform is an integer grid and needs scale: minmax or absmax"),
     ("int8_token", _set(("key", "scale"), {"kind": "norm", "group_size": 32}), "key.scale.group_size", "covers the whole head"),

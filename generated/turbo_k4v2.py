@@ -86,12 +86,11 @@ _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
 # ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
 _ROTATION_BLOCK = 64
-# Decode tuning from sweeps on an H200 (batch 8, 32 query / 8 KV heads, d=128, 32k context): see docs/benchmarks.md.
-_DECODE_BLOCK_N = 128
-_DECODE_WARPS = 4
-_DECODE_STAGES = 3
-_SPLITS_PER_SM = 8
-_MAX_SPLITS = 64
+# Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
+# sequence). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
+_DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 4, 16, 128)}
+# Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
+_DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
 _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
@@ -1075,8 +1074,8 @@ def decode(
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
-    block_n = _DECODE_BLOCK_N if head_dim <= 128 else _DECODE_BLOCK_N // 2  # the same tile bytes at head_dim 256
-    wanted = max(1, min(_MAX_SPLITS, triton.cdiv(_target_programs(cache.device), batch * cache.num_kv_heads)))
+    block_n, num_warps, num_stages, splits_per_sm, max_splits = _decode_config(head_dim)
+    wanted = max(1, min(max_splits, triton.cdiv(_target_programs(cache.device, splits_per_sm), batch * cache.num_kv_heads)))
     tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
@@ -1117,8 +1116,8 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
-        num_warps=_DECODE_WARPS,
-        num_stages=_DECODE_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
@@ -1139,12 +1138,24 @@ def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
+def _decode_config(head_dim: int) -> tuple:
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits) for decode at this head_dim."""
+    if head_dim in _DECODE_CONFIGS:
+        return _DECODE_CONFIGS[head_dim]
+    block_n, *rest = _DECODE_DEFAULT
+    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+
+
+def _target_programs(device: torch.device, splits_per_sm: int) -> int:
     """Enough split programs to fill the GPU; two on the interpreter, so tests still cross a split."""
     if device.type == "cuda":
-        return _SPLITS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        return splits_per_sm * _sm_count(device)
     return 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _checking(device: torch.device) -> bool:

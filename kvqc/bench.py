@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
     parser.add_argument("--plot", metavar="FILE",
                         help="also draw decode's speedup over SDPA against context length, per scheme (PNG, matplotlib)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="time decode and its SDPA peer only (no fill, flatten or attend timings)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +133,27 @@ def _bench(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def graph_ms(call: Callable[[], object], count: int, timer: Callable | None = None) -> float:
+    """One call's median ms when `count` consecutive calls are captured in one CUDA graph and replayed.
+
+    What an engine that graphs its decode step pays: no Python or launch overhead between kernels. `call` should
+    rotate over `count` input sets (see _rotating), so one replay reads each set once.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and build cached tables outside the capture
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            call()
+    ms = (timer or _bench)(graph.replay)
+    del graph
+    return ms / count
 
 
 def _rotating(fn: Callable, arg_sets: list[tuple]) -> Callable[[], None]:
@@ -282,13 +305,15 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     # Decode and flatten over rotating cache copies.
     caches = [cache] + [_clone_cache(module, cache) for _ in range(copies - 1)]
     row["copies"] = {"kvqc": copies}
-    row["kvqc_ms"] = _bench(_rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows),
-                                      [(c,) for c in caches]))
-    # flatten reads seq_lens on the host, so its time includes that sync and the launch behind it.
-    row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens, *rows),
-                                         [(c,) for c in caches]))
-    if hasattr(module, "attend"):
-        _measure_attend(module, row, caches, block_tables, seq_lens, hq)
+    decode_call = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows), [(c,) for c in caches])
+    row["kvqc_ms"] = _bench(decode_call)
+    row["kvqc_graph_ms"] = graph_ms(decode_call, copies)
+    if not cfg.get("decode_only"):
+        # flatten reads seq_lens on the host, so its time includes that sync and the launch behind it.
+        row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, seq_lens, *rows),
+                                             [(c,) for c in caches]))
+        if hasattr(module, "attend"):
+            _measure_attend(module, row, caches, block_tables, seq_lens, hq)
     del caches, cache
     torch.cuda.empty_cache()
 
@@ -296,12 +321,14 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     fp16_bytes = fp16_kv_bytes(b * n, hkv, d)
     row["floor_ms"] = floor_ms(kv_bytes, bw)
     row["fraction_of_floor"] = row["floor_ms"] / row["kvqc_ms"]
-    row["flatten_bytes"] = kv_bytes + fp16_bytes
-    row["flatten_fraction_of_bw"] = gbps(row["flatten_bytes"], row["flatten_ms"]) / bw
+    if "flatten_ms" in row:
+        row["flatten_bytes"] = kv_bytes + fp16_bytes
+        row["flatten_fraction_of_bw"] = gbps(row["flatten_bytes"], row["flatten_ms"]) / bw
 
     _measure_peer(row, query, fp16_bytes, cfg)
     del query
-    _measure_fill(module, row, cfg)
+    if not cfg.get("decode_only"):
+        _measure_fill(module, row, cfg)
 
 
 def _scratch_mib(call: Callable[[], object]) -> float:
@@ -339,9 +366,12 @@ def _measure_peer(row: dict, query: torch.Tensor, fp16_bytes: int, cfg: dict) ->
     q = query.unsqueeze(2).contiguous()
     kv = [(torch.randn(b, hkv, n, d, dtype=torch.float16, device=DEVICE),
            torch.randn(b, hkv, n, d, dtype=torch.float16, device=DEVICE)) for _ in range(copies)]
-    row["peer_ms"] = _bench(_rotating(lambda k, v: sdpa(q, k, v), kv))
+    peer_call = _rotating(lambda k, v: sdpa(q, k, v), kv)
+    row["peer_ms"] = _bench(peer_call)
+    row["peer_graph_ms"] = graph_ms(peer_call, copies)
     del kv
     row["speedup"] = row["peer_ms"] / row["kvqc_ms"]
+    row["graph_speedup"] = row["peer_graph_ms"] / row["kvqc_graph_ms"]
     row["peer_floor_ms"] = floor_ms(fp16_bytes, cfg["copy_gbps"])
     row["peer_fraction_of_floor"] = row["peer_floor_ms"] / row["peer_ms"]
 
@@ -409,7 +439,8 @@ def _note(row: dict, text: str) -> None:
 
 # ---------------------------------------------------------------- output
 
-COLUMNS = (("B", 3), ("ctx", 7), ("D", 4), ("sdpa ms", 9), ("kvqc ms", 9), ("speedup", 8), ("floor ms", 9),
+COLUMNS = (("B", 3), ("ctx", 7), ("D", 4), ("sdpa ms", 9), ("kvqc ms", 9), ("speedup", 8), ("sdpa graph", 10),
+           ("kvqc graph", 10), ("graph x", 8), ("floor ms", 9),
            ("%floor", 7), ("fill %bw", 9), ("flatten %bw", 11), ("scratch MiB", 11), ("attend ms", 10),
            ("attend MiB", 10), ("err", 9))
 
@@ -425,6 +456,8 @@ def format_row(row: dict) -> str:
     pct = lambda key: _fmt(None if row.get(key) is None else 100 * row[key], ".1f")  # noqa: E731
     err = row.get("rel_err")
     cells = [_fmt(row.get("peer_ms"), ".4f"), _fmt(row.get("kvqc_ms"), ".4f"), _fmt(row.get("speedup"), ".2f"),
+             _fmt(row.get("peer_graph_ms"), ".4f"), _fmt(row.get("kvqc_graph_ms"), ".4f"),
+             _fmt(row.get("graph_speedup"), ".2f"),
              _fmt(row.get("floor_ms"), ".4f"), pct("fraction_of_floor"), pct("fill_fraction_of_bw"),
              pct("flatten_fraction_of_bw"), _fmt(row.get("scratch_mib"), ".2f"), _fmt(row.get("attend_ms"), ".3f"),
              _fmt(row.get("attend_scratch_mib"), ".0f"),
@@ -442,7 +475,8 @@ def _write_json(path: str, header: dict, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str, device: str = "") -> None:
-    """Decode's speedup over fp16 SDPA against context length, one line per scheme, one panel per (batch, d)."""
+    """Decode's speedup over fp16 SDPA against context length, one line per scheme (dashed: both in CUDA graphs),
+    one panel per (batch, d)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -455,10 +489,14 @@ def plot(rows: list[dict], path: str, device: str = "") -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
     for ax, (b, d) in zip(axes[0], panels):
         for scheme in sorted({r["scheme"] for r in ok}):
-            pts = sorted((r["context"], r["speedup"]) for r in ok
-                         if r["scheme"] == scheme and r["batch"] == b and r["head_dim"] == d)
+            mine = [r for r in ok if r["scheme"] == scheme and r["batch"] == b and r["head_dim"] == d]
+            pts = sorted((r["context"], r["speedup"]) for r in mine)
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=scheme)
+                line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{scheme} (eager)")
+                graph = sorted((r["context"], r["graph_speedup"]) for r in mine if r.get("graph_speedup") is not None)
+                if graph:
+                    ax.plot([x for x, _ in graph], [y for _, y in graph], marker="s", linestyle="--",
+                            color=line.get_color(), label=f"{scheme} (CUDA graph)")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
@@ -497,7 +535,8 @@ def run(args: argparse.Namespace) -> int:
     header = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "copy_bandwidth_gbps": bandwidth, "l2_bytes": _l2_bytes(),
               "method": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms); inputs rotated over copies "
-                        f"exceeding {L2_MULTIPLE}x L2; floors = bytes / copy bandwidth (read + written)"}
+                        f"exceeding {L2_MULTIPLE}x L2; floors = bytes / copy bandwidth (read + written); graph: "
+                        "one call's share of a CUDA graph replaying one call per copy"}
     print(f"device: {header['device']}")
     print(f"torch {header['torch']}, triton {header['triton']}")
     print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
@@ -506,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
           f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g}); attend: "
           f"{ATTEND_TOKENS} causal query tokens per sequence; MiB columns: peak allocation beyond the cache")
     cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
-           "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"]}
+           "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"], "decode_only": args.decode_only}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
     rows: list[dict] = []
     from .modules import load

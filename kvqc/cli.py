@@ -134,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
 
         bench.add_arguments(p)
         p.set_defaults(run=bench.run)
+    p = sub.add_parser("tune", help="sweep decode's launch settings on a GPU; --write the best into the modules' table")
+    if argv[:1] == ["tune"]:
+        from . import tune
+
+        tune.add_arguments(p)
+        p.set_defaults(run=tune.run)
     p = sub.add_parser("eval", help="a real language model with each scheme's cache: perplexity, greedy agreement")
     if argv[:1] == ["eval"]:  # eval imports transformers, and may set TRITON_INTERPRET before triton loads
         from . import eval as evaluation

@@ -7,6 +7,7 @@ does. The same scheme gives byte-identical output on every run, and files are re
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import pprint
 import re
@@ -73,6 +74,21 @@ def _generator_source() -> str:
     )
 
 
+DECODE_TUNING = TEMPLATES / "decode_tuning.json"
+
+
+def decode_tuning(name: str) -> dict:
+    """The decode launch table for one scheme, as the module template renders it (see `kvqc tune`)."""
+    table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
+    default = tuple(int(x) for x in table["default"])
+    configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
+    if configs:
+        comment = f"Tuned by `kvqc tune` on {table['device']} ({table.get('shapes', '')})."
+    else:
+        comment = "Not tuned for this scheme: every head_dim takes the default."
+    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment}
+
+
 def render(scheme: Scheme) -> str:
     layout: Layout = plan(scheme)
     data = scheme.to_dict()
@@ -87,6 +103,7 @@ def render(scheme: Scheme) -> str:
         example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
+        tuning=decode_tuning(scheme.name),
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)

@@ -1,0 +1,49 @@
+"""kvqc tune's pure parts on CPU: the candidate list, the choice of a winner and the table it writes."""
+
+import json
+
+from kvqc import codegen, tune
+
+
+def rows(times):
+    """One row per (variant, batch) with the given ms; status ok unless the time is None."""
+    out = []
+    for variant, per_batch in times.items():
+        for batch, ms in per_batch.items():
+            row = {"variant": list(variant), "batch": batch, "context": 8192}
+            row.update({"status": "ok", "ms": ms} if ms is not None else {"status": "wrong"})
+            out.append(row)
+    return out
+
+
+def test_variants_start_with_the_default_once():
+    got = tune.variants()
+    assert got[0] == tune.DEFAULT and got.count(tune.DEFAULT) == 1 and len(set(got)) == len(got)
+
+
+def test_best_takes_the_geometric_mean_and_skips_wrong_variants():
+    fast, wrong, close = (32, 1, 3, 16, 128), (16, 1, 3, 8, 64), (64, 2, 3, 8, 64)
+    data = rows({tune.DEFAULT: {1: 1.0, 8: 1.0}, fast: {1: 0.5, 8: 1.0}, wrong: {1: 0.1, 8: None},
+                 close: {1: 0.99, 8: 0.99}})
+    winner, score, scores = tune.best(data, [tune.DEFAULT, fast, wrong, close])
+    assert winner == fast and abs(score - 0.5 ** 0.5) < 1e-9 and wrong not in scores
+
+
+def test_best_keeps_the_default_within_two_percent():
+    close = (64, 2, 3, 8, 64)
+    winner, _, _ = tune.best(rows({tune.DEFAULT: {1: 1.0}, close: {1: 0.99}}), [tune.DEFAULT, close])
+    assert winner == tune.DEFAULT
+
+
+def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
+    path = tmp_path / "decode_tuning.json"
+    path.write_text(codegen.DECODE_TUNING.read_text(encoding="utf-8"), encoding="utf-8")
+    header = {"device": "Test GPU", "torch": "t", "triton": "x", "shapes": "batch 1"}
+    tune.write_table(path, {("some_scheme", 128): (32, 1, 2, 16, 128)}, header)
+    tune.write_table(path, {("some_scheme", 64): (64, 1, 3, 16, 128)}, header)
+    table = json.loads(path.read_text(encoding="utf-8"))
+    assert table["schemes"]["some_scheme"] == {"128": [32, 1, 2, 16, 128], "64": [64, 1, 3, 16, 128]}
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    got = codegen.decode_tuning("some_scheme")
+    assert got["configs"] == "{64: (64, 1, 3, 16, 128), 128: (32, 1, 2, 16, 128)}" and "Test GPU" in got["comment"]
+    assert codegen.decode_tuning("other")["configs"] == "{}"

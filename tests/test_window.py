@@ -200,8 +200,9 @@ def test_token_by_token_fill_equals_one_fill(name):
 
 
 @pytest.mark.parametrize("name", WINDOW_SCHEMES)
-def test_window_arguments_are_checked(name):
+def test_window_arguments_are_checked(name, monkeypatch):
     m = generated(name)
+    monkeypatch.setattr(m, "DEBUG", True)  # data-dependent checks sync the GPU: on by default only for CPU tensors
     d = m.HEAD_DIMS[0]
     with pytest.raises(ValueError, match="^max_seqs: "):
         m.allocate_cache(4, 64, 1, d, device=DEVICE)

@@ -483,58 +483,52 @@ def _decode_kernel(
         # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
         key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
+        key_first = tl.max(tl.where(valid, row - (row // NUM_KV_HEADS % 32) * NUM_KV_HEADS, -1), axis=0)
         code = key_bytes_0_0 & 3
 
         level = code.to(tl.float32)
 
-        first = row - (row // NUM_KV_HEADS % 32) * NUM_KV_HEADS
-        index = (key_chunk[None, :]) * 2
-        scale = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
-        index = (key_chunk[None, :]) * 2 + 1
-        zero = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
+        index = (key_chunk) * 2
+        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+        index = (key_chunk) * 2 + 1
+        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        tile = level * scale + zero
-
-        dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        dots = _mm((query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+        query_zero = tl.sum(query_0.to(tl.float32) * zero[None, :], axis=1)
         code = (key_bytes_0_0 >> 2) & 3
 
         level = code.to(tl.float32)
 
-        first = row - (row // NUM_KV_HEADS % 32) * NUM_KV_HEADS
-        index = (1 * KEY_CHUNK + key_chunk[None, :]) * 2
-        scale = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
-        index = (1 * KEY_CHUNK + key_chunk[None, :]) * 2 + 1
-        zero = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
+        index = (1 * KEY_CHUNK + key_chunk) * 2
+        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+        index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        tile = level * scale + zero
-
-        dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        dots += _mm((query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+        query_zero += tl.sum(query_1.to(tl.float32) * zero[None, :], axis=1)
         code = (key_bytes_0_0 >> 4) & 3
 
         level = code.to(tl.float32)
 
-        first = row - (row // NUM_KV_HEADS % 32) * NUM_KV_HEADS
-        index = (2 * KEY_CHUNK + key_chunk[None, :]) * 2
-        scale = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
-        index = (2 * KEY_CHUNK + key_chunk[None, :]) * 2 + 1
-        zero = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
+        index = (2 * KEY_CHUNK + key_chunk) * 2
+        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+        index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        tile = level * scale + zero
-
-        dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        dots += _mm((query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+        query_zero += tl.sum(query_2.to(tl.float32) * zero[None, :], axis=1)
         code = (key_bytes_0_0 >> 6) & 3
 
         level = code.to(tl.float32)
 
-        first = row - (row // NUM_KV_HEADS % 32) * NUM_KV_HEADS
-        index = (3 * KEY_CHUNK + key_chunk[None, :]) * 2
-        scale = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
-        index = (3 * KEY_CHUNK + key_chunk[None, :]) * 2 + 1
-        zero = tl.load(key_meta_ptr + (first[:, None] + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=valid[:, None], other=0.0).to(tl.float32)
+        index = (3 * KEY_CHUNK + key_chunk) * 2
+        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+        index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * NUM_KV_HEADS) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        tile = level * scale + zero
-
-        dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+        dots += _mm((query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+        query_zero += tl.sum(query_3.to(tl.float32) * zero[None, :], axis=1)
+        dots += query_zero[:, None]
 
         scores = dots
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1199,6 +1193,7 @@ def decode(
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits = _decode_config(head_dim)
+    block_n = min(block_n, KEY_GROUP_SIZE)  # tiles inside one token group: its scales factor out of the dot
     wanted = max(1, min(max_splits, triton.cdiv(_target_programs(cache.device, splits_per_sm), batch * cache.num_kv_heads)))
     tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split) + 1  # the last split: the window

@@ -348,7 +348,11 @@ def markdown(report: dict[str, Any]) -> str:
             "averages many nearly uncorrelated values (near-uniform attention over zero-mean random V, for one) "
             "has a small norm to divide by.",
             "- This measures one attention call on exact inputs; `kvqc eval` (docs/quality.md) measures what the "
-            "errors do to the model end to end, where they compound over layers."]
+            "errors do to the model end to end, where they compound over layers.",
+            "- Schemes with a recent-token window (`window:` in the scheme) are measured with every token quantized, "
+            "the quantizer's own error: in a cache their last `window` tokens are exact, so over a context of N "
+            "tokens the errors above apply to N - window of them. Per-channel scales group each KV head's tokens "
+            "in order (a last, incomplete group over the tokens it has)."]
     return "\n".join(out) + "\n"
 
 

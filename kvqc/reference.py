@@ -101,7 +101,25 @@ class SideReference:
         else:
             code, margin, meta = self._symmetric(yg)
         meta = meta.reshape(n, groups * meta.shape[-1])  # group-major: the fields of group 0, then of group 1, ...
-        return Quantized(self.pack(code.view(n, d)), meta.to(meta_dtype), code.view(n, d), margin.view(n, d))
+        code, margin = code.view(n, d), margin.view(n, d)
+        if self.s.residual.kind != "none":
+            # A residual stage on a uniform grid: r = y - y_hat in the rotated basis, per token (no groups).
+            y_hat = self._level(code) * meta[:, 0:1] + (meta[:, 1:2] if self.s.scale.kind == "minmax" else 0)
+            code, margin, extra = self._residual(y - y_hat, code, margin)
+            meta = torch.cat([meta, extra[:, None]], dim=1)
+        return Quantized(self.pack(code), meta.to(meta_dtype), code, margin)
+
+    def _residual(self, residual: torch.Tensor, code: torch.Tensor, margin: torch.Tensor):
+        """The residual stage's bit above the codebook bits, its stored value, and the margins it adds: in units of
+        the decision's spread (r's coordinates have RMS |r| / sqrt(d), each coordinate of S r has RMS |r|)."""
+        if self.s.residual.kind == "sign":
+            decided, value = residual, residual.pow(2).mean(dim=1).sqrt()
+            spread = residual.norm(dim=1, keepdim=True) / math.sqrt(self.d)
+        else:
+            decided, value = residual @ self.qjl.T, residual.norm(dim=1)  # S r
+            spread = residual.norm(dim=1, keepdim=True)
+        code = code | ((decided >= 0).to(torch.int64) << self.s.codebook.bits)
+        return code, torch.minimum(margin, decided.abs() / spread.clamp_min(1e-300)), value
 
     def quantize_channels(self, x: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
         """A whole token group x [group_size, d] with one scale (and zero) per channel (scale.axis: channel).
@@ -203,18 +221,10 @@ class SideReference:
         unit_hat = self.centroids[index]
         if self.s.residual.kind != "none":
             residual = unit - self.centroids[index]
+            code, margin, value = self._residual(residual, code, margin)
+            fields.append(value)
             if self.s.residual.kind == "sign":
-                decided = residual
-                rms = residual.pow(2).mean(dim=1).sqrt()
-                fields.append(rms)
-                unit_hat = unit_hat + torch.where(residual >= 0, 1.0, -1.0) * rms[:, None]
-            else:
-                decided = residual @ self.qjl.T  # S r
-                fields.append(residual.norm(dim=1))
-            code = code | ((decided >= 0).to(torch.int64) << bits)
-            # N(0,1) units: r's coordinates have RMS |r|/sqrt(d); each coordinate of S r has RMS |r|.
-            spread = residual.norm(dim=1, keepdim=True) / (math.sqrt(self.d) if self.s.residual.kind == "sign" else 1)
-            margin = torch.minimum(margin, decided.abs() / spread.clamp_min(1e-300))
+                unit_hat = unit_hat + torch.where(residual >= 0, 1.0, -1.0) * value[:, None]
         if self.s.scale.unbiased:
             # DRIVE/EDEN: |y|^2 / <y, y_hat_unit> makes <y, y_hat> = |y|^2 exactly and <q, y_hat> unbiased over
             # the random rotation; a non-positive alignment (only for degenerate rows) keeps the plain norm.
@@ -231,20 +241,26 @@ class SideReference:
         if self.s.scale.kind != "norm":
             groups = self.s.groups(d)
             meta = meta.view(n, groups, len(self.s.metadata))
-            y = self._level(code).view(n, groups, d // groups) * meta[..., 0:1]
+            y = self._level(code & (2**bits - 1)).view(n, groups, d // groups) * meta[..., 0:1]
             if self.s.scale.kind == "minmax":
                 y = y + meta[..., 1:2]
-            return self.unrotate(y.view(n, d))
+            y = y.view(n, d)
+            if self.s.residual.kind != "none":
+                y = y + self._residual_value(code, meta[:, 0, -1:])
+            return self.unrotate(y)
         unit = self.centroids[code & (2**bits - 1)]
         if self.s.residual.kind != "none":
-            sign = ((code >> bits) & 1).to(torch.float64) * 2 - 1
-            if self.s.residual.kind == "sign":
-                unit = unit + sign * meta[:, 1:2]
-            else:
-                # QJL: x_qjl = sqrt(pi/2) / d * |r| * S^T sign(S r), unbiased for <y, r>.
-                unit = unit + math.sqrt(math.pi / 2) / self.d * meta[:, 1:2] * (sign @ self.qjl)
+            unit = unit + self._residual_value(code, meta[:, 1:2])
         y = meta[:, 0:1] * unit
         return self.unrotate(y)
+
+    def _residual_value(self, code: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        """What the residual bit adds back, from its stored value [n, 1] (RMS, or |r| for QJL)."""
+        sign = ((code >> self.s.codebook.bits) & 1).to(torch.float64) * 2 - 1
+        if self.s.residual.kind == "sign":
+            return sign * stored
+        # QJL: x_qjl = sqrt(pi/2) / d * |r| * S^T sign(S r), unbiased for <y, r>.
+        return math.sqrt(math.pi / 2) / self.d * stored * (sign @ self.qjl)
 
 
 def fp8_grid(fmt: str, by_code: bool = False):

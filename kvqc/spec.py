@@ -104,11 +104,11 @@ class TensorScheme:
     @property
     def metadata(self) -> tuple[str, ...]:
         """Values stored per scale group (per token and head without groups), in the model dtype."""
-        if self.scale.kind == "minmax":
-            return ("scale", "zero")
-        if self.scale.kind == "absmax":
-            return ("scale",)
         extra = {"none": (), "sign": ("residual_rms",), "qjl": ("residual_norm",)}[self.residual.kind]
+        if self.scale.kind == "minmax":
+            return ("scale", "zero") + extra
+        if self.scale.kind == "absmax":
+            return ("scale",) + extra
         return ("norm",) + extra
 
 
@@ -400,8 +400,9 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         f.fail("scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
     if t.scale.group_size and not t.per_channel and t.packing == "interleaved" and t.code_bits < 8:
         f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
-    if t.residual.kind != "none" and t.codebook.kind != "lloyd_max":
-        f.fail("residual", f"a {t.residual.kind} residual needs codebook kind lloyd_max; use residual: none")
+    if t.residual.kind != "none" and t.codebook.kind != "lloyd_max" and (t.scale.group_size or t.per_channel):
+        # The residual's one stored value (RMS or norm) is per token: it would need a place beside every group.
+        f.fail("residual", f"a {t.residual.kind} residual needs one scale per token (no scale.group_size); use residual: none")
     if t.per_channel and t.rotation.kind != "none":
         # Per-channel scales exist to fence off outlier channels, and a rotation spreads every channel over all.
         f.fail("rotation", "per-channel scales (scale.axis: channel) work on the channels as given; use rotation: none")

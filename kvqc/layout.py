@@ -42,6 +42,13 @@ class SideLayout:
     # Some head_dim is not a power of two: kernels work on chunks padded to one (Triton ranges must be), in a
     # position space of next_power_of_2(head_dim) columns, masking the padding out of every load and store.
     padded: bool = False
+    head_dims: tuple[int, ...] = ()  # the scheme's head_dims: where scale groups lie relative to chunks differs
+
+    def __post_init__(self):
+        # spec.py only lets a group span chunks that divide it, and a power of two divides no chunk of a padded
+        # head_dim's (80 * w / 8, 96 * w / 8) unless it fits inside it: no head_dim list gives both.
+        if self.padded and self.spans:
+            raise ValueError(f"{self.name}: scale groups spanning chunks with padded chunks are not supported")
 
     @property
     def chunk_pad(self) -> str:
@@ -90,6 +97,31 @@ class SideLayout:
     @property
     def per_channel(self) -> bool:
         return self.scheme.per_channel
+
+    def span(self, head_dim: int) -> int:
+        """Consecutive chunks one scale group covers at head_dim: 1 where groups lie inside a chunk (or there are
+        none), G / chunk where a group of G channels is wider than the head_dim / chunks columns of a chunk."""
+        g, chunk = self.group_size, head_dim // self.chunks
+        return g // chunk if g and g > chunk else 1
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """The spans above 1 of the scheme's head_dims, ascending; () when every group lies inside a chunk at
+        every head_dim, and the kernels are then the same as before groups could span chunks."""
+        return tuple(sorted({self.span(d) for d in self.head_dims} - {1}))
+
+    def head_dims_with_span(self, span: int) -> tuple[int, ...]:
+        return tuple(d for d in self.head_dims if self.span(d) == span)
+
+    @property
+    def spanning_head_dims(self) -> tuple[int, ...]:
+        """The head_dims where a scale group covers several chunks."""
+        return tuple(d for d in self.head_dims if self.span(d) > 1)
+
+    @property
+    def groups_inside(self) -> bool:
+        """Some head_dim has its scale groups inside chunks (G <= head_dim / chunks)."""
+        return any(self.span(d) == 1 for d in self.head_dims)
 
     @property
     def token_group(self) -> int | None:
@@ -228,6 +260,6 @@ def plan(scheme: Scheme) -> Layout:
     padded = any(d & (d - 1) for d in scheme.head_dims)
     return Layout(
         scheme,
-        SideLayout("key", scheme.key, padded),
-        SideLayout("value", scheme.value, padded),
+        SideLayout("key", scheme.key, padded, scheme.head_dims),
+        SideLayout("value", scheme.value, padded, scheme.head_dims),
     )

@@ -475,16 +475,27 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                     f"needs {g} to divide {len(t.metadata) * uneven[0]} (head_dim {uneven[0]}); use a smaller group_size",
                 )
             continue
-        # Fill reduces each scale group inside one unpacked chunk of d * narrowest / 8 columns.
+        # Kernels unpack chunks of d * narrowest / 8 consecutive columns. A scale group either lies inside one
+        # (fill reduces it there) or covers whole consecutive chunks (fill combines their partial statistics).
         g = t.scale.group_size
-        wide = [d for d in scheme.head_dims if g and (d * narrowest // 8) % g]
-        if wide:
+        bad = [d for d in scheme.head_dims if g and not _group_fits(g, d, d * narrowest // 8)]
+        if bad:
+            d, chunk = bad[0], bad[0] * narrowest // 8
             f.fail(
                 f"{side}.scale.group_size",
-                f"group_size {g} must divide the {wide[0] * narrowest // 8}-column chunks that {side}'s "
-                f"{t.code_bits}-bit codes unpack at head_dim {wide[0]}; use a group_size that divides it or remove {wide}",
+                f"group_size {g} is larger than head_dim {d}; use a smaller group_size or remove {bad}"
+                if g > d
+                else f"group_size {g} must divide the {chunk}-column chunks that {side}'s {t.code_bits}-bit codes "
+                f"unpack at head_dim {d}, or be a multiple of them that divides head_dim; use a group_size that "
+                f"divides {chunk} or remove {bad}",
             )
     return scheme
+
+
+def _group_fits(group_size: int, head_dim: int, chunk: int) -> bool:
+    """A per-token scale group of group_size channels lies inside one chunk of `chunk` columns, or covers whole
+    consecutive chunks of the head (the chunk divides the group, the group divides head_dim)."""
+    return chunk % group_size == 0 or (group_size % chunk == 0 and head_dim % group_size == 0)
 
 
 def load_scheme(path: str | Path) -> Scheme:

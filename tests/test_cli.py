@@ -653,13 +653,13 @@ def test_damaged_files_build_or_fail_cleanly(case):
 # By hand: codes head_dim * bits / 8, plus 2 bytes per metadata field and scale group (q8_0's K: 128 + 4 * 2).
 BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
-    "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
+    "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
     "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36,
 }
 WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64"}
 NOT_AT_128 = ("turbo_k4v2_d80_96",)
 BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
-            "turbo_k4mse_v2": 52, "turbo_k4v2": 54}
+            "turbo_k4mse_v2": 52, "turbo_k4v2": 54, "kivi_k2v2": 48}
 
 
 def test_list_prints_one_line_per_scheme(monkeypatch):
@@ -692,7 +692,7 @@ def test_list_other_head_dims(tmp_path):
         elif name in NOT_AT_128:
             assert "not built for head_dim 64; built for [80, 96]" in row, row
         else:
-            # 3-bit codes have a 1-bit plane, which needs head_dim >= 128 (and uint2's groups of 32 likewise).
+            # 3-bit codes have a 1-bit plane, which needs head_dim >= 128 (metal_uint2_q2_0 lists [128, 256]).
             assert "not built for head_dim 64; built for [128, 256]" in row, row
     status, out, _ = run("list", *paths, "--head-dim", "96")
     rows = out.splitlines()[1:]
@@ -720,8 +720,8 @@ def test_explain_turbo_k4v2(capsys):
 
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
-NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q8_0_q3_0", "metal_uint2_q2_0",
-                                     "kivi_k2v2", "sign1_window")}
+NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q5_0_q3_0", "metal_q8_0_q3_0",
+                                     "metal_uint2_q2_0", "sign1_window")}
 NOT_BUILT |= {("turbo_k4v2_d80_96", d) for d in (64, 128, 256)}
 
 

@@ -96,6 +96,7 @@ def test_shipped_schemes_have_distinct_hashes():
         ("turbo_qjl_k3v3", (3.25, 3.125), (("norm", "residual_norm"), ("norm",))),
         ("int8_token", (8.25, 8.25), (("scale", "zero"), ("scale", "zero"))),
         ("int4_token", (4.25, 4.25), (("scale", "zero"), ("scale", "zero"))),
+        ("metal_q5_0_q3_0", (5.5, 3.125), (("scale",), ("norm",))),
     ],
 )
 def test_bits_per_coordinate_at_128(name, bits, metadata):
@@ -274,11 +275,15 @@ FIELD_ERRORS = [
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 24}), "key.scale.group_size", "expected a power of two"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 1}), "key.scale.group_size", "expected an integer 2..256"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 512}), "key.scale.group_size", "got 512"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "must divide the 64-column chunks"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "group_size 128 is larger than head_dim 64; use a smaller group_size or remove [64]"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", None),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "unbiased": True}), "key.scale.unbiased", "only meaningful with kind: norm"),
     ("int8_token", _set(("key", "scale"), {"kind": "absmax"}), "key.scale", None),  # symmetric int8 (q8_0)
-    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", "must divide the 32-column chunks"),
+    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", None),  # spans 2 chunks at 64
+    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "larger than head_dim 64"),
+    ("kivi_k2v2", _set(("value", "scale", "group_size"), 64), "value.scale.group_size", None),  # spans 4 chunks at 64
+    ("kivi_k2v2", _set(("value", "scale", "group_size"), 128), "value.scale.group_size", "group_size 128 is larger than head_dim 64"),
+    ("metal_q5_0_q3_0", _set(("head_dims",), [64, 128]), "head_dims", "key's 5-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"),
     ("int4_token", _set(("key", "packing"), "interleaved"), "key.packing", None),
     ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 4}), "key.codebook", None),
     ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3"}), "key.scale", "fp8 needs scale: absmax"),
@@ -524,7 +529,7 @@ def tensor_specs(draw):
         if residual != "qjl" and draw(st.booleans()):
             extra["unbiased"] = draw(st.booleans())
     if scale != "norm" and draw(st.booleans()):
-        extra["group_size"] = draw(st.sampled_from([2, 4, 8, 16]))
+        extra["group_size"] = draw(st.sampled_from([2, 4, 8, 16, 32, 64]))
     code_bits = bits + (residual != "none")
     out: dict = {}
     rotation = draw(st.sampled_from(["omit", "none", "hadamard", "full"]))
@@ -547,14 +552,14 @@ def tensor_specs(draw):
 
 def _allows(tensor: dict, d: int) -> bool:
     """Whether a tensor spec can be built for head_dim d: its narrowest bit plane must give chunks of 16 or more
-    columns, and each chunk must hold whole scale groups."""
+    columns, and each chunk must hold whole scale groups or each group whole chunks (and divide head_dim)."""
     residual = tensor.get("residual", "none")
     residual = residual["kind"] if isinstance(residual, dict) else residual
     bits = tensor["codebook"].get("bits", 8) + (residual != "none")
     narrowest = min(b for b in (1, 2, 4, 8) if bits & b)
     group = tensor["scale"].get("group_size", 1) if isinstance(tensor["scale"], dict) else 1
     chunk = d * narrowest // 8
-    return chunk >= 16 and chunk % group == 0
+    return chunk >= 16 and (chunk % group == 0 or (group % chunk == 0 and d % group == 0))
 
 
 @st.composite
@@ -580,6 +585,59 @@ def test_narrow_chunks_are_refused():
     assert info.value.message == "key's 3-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"
     data["head_dims"] = [128, 256]
     assert scheme_from_dict(data, "n.yaml").head_dims == (128, 256)
+
+
+def _grouped(bits: int, group_size: int, head_dims: list[int]) -> dict:
+    data = copy.deepcopy(BASE["int4_token"])
+    data["key"] = {"scale": {"kind": "absmax", "group_size": group_size}, "codebook": {"kind": "uniform", "bits": bits}}
+    data["head_dims"] = head_dims
+    return data
+
+
+@pytest.mark.parametrize(
+    "bits, group_size, head_dims, spans",
+    [
+        (5, 32, [128, 256], {128: 2, 256: 1}),  # q5_0: a 1-bit plane, 16-column chunks at 128
+        (2, 32, [64, 128, 256], {64: 2, 128: 1, 256: 1}),  # KIVI's V at 64
+        (3, 64, [128, 256], {128: 4, 256: 2}),
+        (6, 128, [128], {128: 4}),  # one group covering the whole head
+        (4, 8, [80, 96, 128], {80: 1, 96: 1, 128: 1}),  # inside the padded chunks (40 and 48 columns)
+    ],
+)
+def test_scale_groups_may_span_whole_chunks(bits, group_size, head_dims, spans):
+    from kvqc.layout import plan
+
+    scheme = scheme_from_dict(_grouped(bits, group_size, head_dims), "g.yaml")
+    key = plan(scheme).key
+    assert {d: key.span(d) for d in head_dims} == spans
+    assert key.spans == tuple(sorted(set(spans.values()) - {1}))
+
+
+@pytest.mark.parametrize(
+    "bits, group_size, head_dims, message",
+    [
+        (4, 16, [80, 128], "group_size 16 must divide the 40-column chunks that key's 4-bit codes unpack at head_dim 80, "
+         "or be a multiple of them that divides head_dim; use a group_size that divides 40 or remove [80]"),
+        (4, 32, [96, 128], "must divide the 48-column chunks that key's 4-bit codes unpack at head_dim 96"),
+        (8, 64, [32, 64, 128], "group_size 64 is larger than head_dim 32; use a smaller group_size or remove [32]"),
+        (4, 256, [128, 256], "group_size 256 is larger than head_dim 128; use a smaller group_size or remove [128]"),
+    ],
+)
+def test_scale_groups_must_tile_the_chunks(bits, group_size, head_dims, message):
+    with pytest.raises(SchemeError) as info:
+        scheme_from_dict(_grouped(bits, group_size, head_dims), "g.yaml")
+    assert info.value.field == "key.scale.group_size"
+    assert message in info.value.message
+
+
+def test_per_channel_groups_never_span_chunks():
+    """KIVI's keys share a scale along group_size tokens: the channel-group rule and its kernels leave them alone."""
+    from kvqc.layout import plan
+
+    layout = plan(load_scheme(SCHEME_DIR / "kivi_k2v2.yaml"))
+    assert 64 in layout.scheme.head_dims
+    assert layout.key.group_size is None and layout.key.spans == () and layout.key.span(64) == 1
+    assert layout.value.group_size == 32 and layout.value.spans == (2,)
 
 
 @FUZZ

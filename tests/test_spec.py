@@ -297,7 +297,12 @@ FIELD_ERRORS = [
     ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": "yes"}), "key.scale.unbiased", "expected true or false"),
     ("turbo_qjl_k3v3", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale.unbiased", "already unbiased"),
     ("int8_token", _set(("key", "codebook", "law"), "gaussian"), "key.codebook.law", "only meaningful with kind: lloyd_max"),
-    ("int8_token", _set(("key", "residual"), "sign"), "key.residual", "needs codebook kind lloyd_max"),
+    ("int8_token", _set(("key", "residual"), "sign"), "key.codebook.bits", "8 bits plus a 1-bit residual exceed 8 bits"),
+    # residual stages on uniform grids with per-token scales (3 + 1 bits: one 4-bit plane)
+    ("int4_token", _set(("key",), {"scale": "minmax", "codebook": {"kind": "uniform", "bits": 3}, "residual": "sign"}), "key", None),
+    ("int4_token", _set(("key",), {"scale": "absmax", "codebook": {"kind": "uniform", "bits": 3}, "residual": {"kind": "qjl", "seed": 3}}), "key", None),
+    ("metal_q4_0_q3_0", _set(("key", "residual"), "sign"), "key.residual", "needs one scale per token (no scale.group_size)"),
+    ("kivi_k2v2", _set(("key", "residual"), "sign"), "key.residual", "needs one scale per token"),
     ("int8_token", _set(("key", "residual"), {"kind": "sign", "seed": 1}), "key.residual.seed", "only meaningful with kind: qjl"),
     ("int8_token", _set(("key", "packing"), "split"), "key.packing", None),  # valid: 8-bit codes may be split
     ("int8_token", _set(("key", "packing"), "tight"), "key.packing", "got 'tight'"),

@@ -1058,7 +1058,8 @@ def fill(
     slot = block * block_size + offset; a negative slot skips its token. Two tokens with one slot race.
     positions [num_tokens]: each token's position in its sequence (offset = position % block_size);
     window_index [num_tokens]: its sequence's ring row, 0..max_seqs-1, the same for the sequence's whole life.
-    A sequence's tokens in one call must be consecutive and in position order, as engines lay out a batch.
+    A sequence's tokens in one call must be consecutive and in position order, as engines lay out a batch, and
+    every token of a sequence must be filled: the ring holds the last WINDOW of those filled.
     Key is quantized 32 tokens at a time, when the token at a position
     p with p % 32 == 31 arrives.
     """
@@ -1142,12 +1143,21 @@ def fill(
 def _check_window_tokens(cache: KVCache, slot_mapping: torch.Tensor, positions: torch.Tensor, window_index: torch.Tensor) -> None:
     """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
     kept = slot_mapping >= 0
-    if bool((kept & ((window_index < 0) | (window_index >= cache.max_seqs))).any()):
-        raise ValueError(f"window_index: expected ring rows 0..{cache.max_seqs - 1} (max_seqs) for every token with a slot")
-    if bool((kept & (positions < 0)).any()):
-        raise ValueError("positions: expected positions >= 0 for every token with a slot")
-    if bool((kept & (slot_mapping % cache.block_size != positions % cache.block_size)).any()):
-        raise ValueError("slot_mapping: a token's slot offset in its block must be its position % block_size")
+    bad = kept & ((window_index < 0) | (window_index >= cache.max_seqs))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)")
+    bad = kept & (positions < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"positions: entry {i} is {int(positions[i])}, expected positions >= 0 for every token with a slot")
+    bad = kept & (slot_mapping % cache.block_size != positions % cache.block_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"slot_mapping: entry {i} is slot {int(slot_mapping[i])} for position {int(positions[i])}; a token's offset in "
+            f"its block must be its position % block_size ({cache.block_size})"
+        )
     # Skipped tokens belong to no sequence: each is a run of its own.
     owner = torch.where(kept, window_index.to(torch.int64), -1 - torch.arange(len(kept), device=kept.device))
     same = owner[1:] == owner[:-1]
@@ -1225,7 +1235,8 @@ def decode(
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
     num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to 1 / sqrt(head_dim). No host sync.
-    window_index [batch]: each sequence's ring row, whose last WINDOW tokens are attended unquantized.
+    window_index [batch]: each sequence's ring row, whose last WINDOW tokens are attended unquantized; seq_lens
+    must be the number of tokens filled (a shorter one would read ring slots later tokens overwrote).
     """
     _check_cache(cache)
     _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
@@ -1386,8 +1397,8 @@ def _check_cache(cache: KVCache) -> None:
         raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
     for name in ("key_window", "value_window"):
         t = getattr(cache, name)
-        want = (t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 4 else "max_seqs", WINDOW, cache.num_kv_heads, cache.head_dim)
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[1:]) != want[1:] or t.shape[0] < 1 or t.shape[0] != cache.key_window.shape[0]:
+        want = (WINDOW, cache.num_kv_heads, cache.head_dim)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[1:]) != want or t.shape[0] < 1 or t.shape[0] != cache.key_window.shape[0]:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"cache.{name}: expected shape [max_seqs, {WINDOW}, {cache.num_kv_heads}, {cache.head_dim}], got {got}")
         if t.dtype != cache.key_meta.dtype or t.device != cache.device or not t.is_contiguous():
@@ -1398,8 +1409,11 @@ def _check_cache(cache: KVCache) -> None:
 
 def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) -> None:
     _check_tensor("window_index", window_index, cache.device, _INDEX_DTYPES, (batch,))
-    if _checking(cache.device) and batch and not bool(((window_index >= 0) & (window_index < cache.max_seqs)).all()):
-        raise ValueError(f"window_index: expected ring rows 0..{cache.max_seqs - 1} (max_seqs)")
+    if _checking(cache.device) and batch:
+        bad = (window_index < 0) | (window_index >= cache.max_seqs)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)")
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:

@@ -467,12 +467,13 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                     f"{side}'s per-channel scales wait for {g} tokens (group_size) before quantizing them: "
                     f"add window: {g} or more at the top level" + (f", got {scheme.window}" if scheme.window else ""),
                 )
-            uneven = [d for d in scheme.head_dims if len(t.metadata) * d % g]
+            # A group's head_dim x fields values are spread over its slots, head_dim / group_size channels a slot.
+            uneven = [d for d in scheme.head_dims if d % g]
             if uneven:
                 f.fail(
                     f"{side}.scale.group_size",
-                    f"a group's {len(t.metadata)} x head_dim metadata values are spread over its {g} slots, which "
-                    f"needs {g} to divide {len(t.metadata) * uneven[0]} (head_dim {uneven[0]}); use a smaller group_size",
+                    f"a group's metadata is spread over its {g} slots, {uneven[0]} / {g} channels a slot, which needs "
+                    f"group_size to divide head_dim {uneven[0]}; use a group_size of at most {uneven[0]} or remove {uneven}",
                 )
             continue
         # Kernels unpack chunks of d * narrowest / 8 consecutive columns. A scale group either lies inside one

@@ -268,7 +268,9 @@ FIELD_ERRORS = [
     ("kivi_k2v2", _set(("key", "rotation"), "hadamard"), "key.rotation", "use rotation: none"),
     ("kivi_k2v2", _set(("key", "packing"), "interleaved"), "key.packing", "per-channel scales need split packing"),
     ("kivi_k2v2", _set(("head_dims",), [96]), "head_dims", "per-channel scales need power-of-two head_dims; remove [96]"),
-    ("kivi_k2v2", _set(("key", "scale", "group_size"), 128), "key.scale.group_size", None),
+    ("kivi_k2v2", _set(("key", "scale", "group_size"), 64), "key.scale.group_size", None),
+    # a group twice head_dim would leave no channel to a slot (meta width 0): refused
+    ("kivi_k2v2", _set(("key", "scale", "group_size"), 128), "key.scale.group_size", "needs group_size to divide head_dim 64; use a group_size of at most 64 or remove [64]"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "head"}), "key.scale.axis", "expected one of token, channel"),
     ("int8_token", _set(("key", "scale"), "norm"), "key.scale", "uniform is an integer grid and needs scale: minmax or absmax"),
     ("int8_token", _set(("key", "scale"), {"kind": "norm", "group_size": 32}), "key.scale.group_size", "covers the whole head"),

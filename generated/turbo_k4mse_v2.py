@@ -74,7 +74,7 @@ _FLATTEN_BLOCK_T = 64
 # ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
 _ROTATION_BLOCK = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k (kivi_k2v2 and sign1_window: batch 8/32, context 32k), 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
+# sequence). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
 _DECODE_CONFIGS = {64: (32, 1, 2, 32, 256), 128: (32, 1, 3, 16, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)

@@ -83,7 +83,8 @@ def decode_tuning(name: str) -> dict:
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
     if configs:
-        comment = f"Tuned by `kvqc tune` on {table['device']} ({table.get('shapes', '')})."
+        sweep = table.get("sweeps", {}).get(name, f"{table['device']} ({table.get('shapes', '')})")
+        comment = f"Tuned by `kvqc tune` on {sweep}."
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment}

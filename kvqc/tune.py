@@ -175,6 +175,7 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
     cache, block_tables, seq_lens, query = _setup(module, batch, context, head_dim, seed=1)
     copies = max(1, bench.rotation_count(bench._cache_bytes(cache), bench._l2_bytes(), bench._free_bytes()))
     caches = [cache] + [bench._clone_cache(module, cache) for _ in range(copies - 1)]
+    own = dict(module._DECODE_CONFIGS)  # put back afterwards: the sweep overrides one head_dim's entry
     _use(module, head_dim, DEFAULT)
     base = module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0])).float()
     rows = []
@@ -196,7 +197,7 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
             row["status"] = "error"
             row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         rows.append(row)
-    _use(module, head_dim, DEFAULT)
+    module._DECODE_CONFIGS = own
     del caches, cache
     torch.cuda.empty_cache()
     return rows
@@ -231,6 +232,9 @@ def write_table(path: Path, winners: dict, header: dict) -> None:
     table["shapes"] = header["shapes"]
     for (name, d), v in winners.items():
         table["schemes"].setdefault(name, {})[str(d)] = list(v)
+        # Each scheme keeps the device and shapes of its own last sweep, for its module's comment.
+        table.setdefault("sweeps", {})[name] = f"{header['device']} ({header['shapes']})"
+    table["sweeps"] = dict(sorted(table["sweeps"].items()))
     table["schemes"] = {k: dict(sorted(table["schemes"][k].items(), key=lambda kv: -int(kv[0])))
                         for k in sorted(table["schemes"])}
     text = json.dumps(table, indent=2) + "\n"

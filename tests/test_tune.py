@@ -45,5 +45,9 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     assert table["schemes"]["some_scheme"] == {"128": [32, 1, 2, 16, 128], "64": [64, 1, 3, 16, 128]}
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
     got = codegen.decode_tuning("some_scheme")
-    assert got["configs"] == "{64: (64, 1, 3, 16, 128), 128: (32, 1, 2, 16, 128)}" and "Test GPU" in got["comment"]
+    assert got["configs"] == "{64: (64, 1, 3, 16, 128), 128: (32, 1, 2, 16, 128)}" and "Test GPU (batch 1)" in got["comment"]
+    # A later sweep of another scheme on other shapes leaves this scheme's note alone.
+    tune.write_table(path, {("later", 128): (32, 1, 2, 16, 128)}, {**header, "device": "Other GPU", "shapes": "batch 8"})
+    assert "Test GPU (batch 1)" in codegen.decode_tuning("some_scheme")["comment"]
+    assert "Other GPU (batch 8)" in codegen.decode_tuning("later")["comment"]
     assert codegen.decode_tuning("other")["configs"] == "{}"

@@ -94,12 +94,7 @@ class SideReference:
         n, d = y.shape
         groups = self.s.groups(d)
         yg = y.view(n, groups, d // groups)  # scale groups are runs of coordinates (the rotated basis)
-        if self.s.scale.kind == "minmax":
-            code, margin, meta = self._affine(yg)
-        elif self.s.codebook.kind == "fp8":
-            code, margin, meta = self._fp8(yg)
-        else:
-            code, margin, meta = self._symmetric(yg)
+        code, margin, meta = self._grid(yg)
         meta = meta.reshape(n, groups * meta.shape[-1])  # group-major: the fields of group 0, then of group 1, ...
         code, margin = code.view(n, d), margin.view(n, d)
         if self.s.residual.kind != "none":
@@ -128,12 +123,7 @@ class SideReference:
         """
         g, d = x.shape
         yg = x.to(torch.float64).T  # [d, group_size]: each channel's run of tokens shares its scale
-        if self.s.scale.kind == "minmax":
-            code, margin, meta = self._affine(yg)
-        elif self.s.codebook.kind == "fp8":
-            code, margin, meta = self._fp8(yg)
-        else:
-            code, margin, meta = self._symmetric(yg)
+        code, margin, meta = self._grid(yg)
         code, margin = code.T.contiguous(), margin.T.contiguous()
         return Quantized(self.pack(code), meta.reshape(g, -1).to(meta_dtype), code, margin)
 
@@ -171,6 +161,14 @@ class SideReference:
         if self.s.codebook.kind == "fp8":
             return fp8_grid(self.s.codebook.format, by_code=True)[code]
         return code.to(torch.float64) - (2 ** (self.s.codebook.bits - 1) - 1)
+
+    def _grid(self, yg: torch.Tensor):
+        """Codes, margins and metadata of a uniform or fp8 grid, one scale per run along yg's last dimension."""
+        if self.s.scale.kind == "minmax":
+            return self._affine(yg)
+        if self.s.codebook.kind == "fp8":
+            return self._fp8(yg)
+        return self._symmetric(yg)
 
     def _affine(self, yg: torch.Tensor):
         levels = 2**self.s.codebook.bits - 1

@@ -37,12 +37,20 @@ class Plane:
 class SideLayout:
     """The cache format of one of K or V, for every head_dim the scheme supports."""
 
-    name: str  # "key" or "value"
-    scheme: TensorScheme
+    name: str  # "key" or "value"; "key_outlier" / "value_outlier" for the outlier part of a channel split
+    scheme: TensorScheme  # this part's: for the outlier part, the side's with the outliers' codebook and residual
     # Some head_dim is not a power of two: kernels work on chunks padded to one (Triton ranges must be), in a
     # position space of next_power_of_2(head_dim) columns, masking the padding out of every load and store.
     padded: bool = False
     head_dims: tuple[int, ...] = ()  # the scheme's head_dims: where scale groups lie relative to chunks differs
+    # A channel split (scheme.outliers) makes each side two sub-heads: the outlier channels, permuted to the front
+    # of the head, and the rest after them. Each part is quantized like a side of its own width.
+    part: str = ""  # "" (the whole side, or the rest of a split) | "outlier"
+    whole: TensorScheme | None = None  # a split side's own scheme (its `outliers` say how); None: not split
+
+    @property
+    def split(self) -> bool:
+        return self.whole is not None
 
     def __post_init__(self):
         # spec.py only lets a group span chunks that divide it, and a power of two divides no chunk of a padded
@@ -51,13 +59,45 @@ class SideLayout:
             raise ValueError(f"{self.name}: scale groups spanning chunks with padded chunks are not supported")
 
     @property
+    def base(self) -> str:
+        """The tensor this part quantizes: "key" or "value"."""
+        return self.name.split("_")[0]
+
+    @property
+    def tag(self) -> str:
+        """Prefix of the kernels' per-part variable names: "" for the whole side or the rest of a split."""
+        return f"{self.part}_" if self.part else ""
+
+    def part_dim(self, head_dim: int) -> int:
+        """The channels this part quantizes at head_dim."""
+        if not self.split:
+            return head_dim
+        return self.whole.part_dims(head_dim)[0 if self.part else 1]
+
+    def offset(self, head_dim: int) -> int:
+        """Where this part's channels start in the permuted head (outliers first)."""
+        return 0 if self.part or not self.split else head_dim - self.part_dim(head_dim)
+
+    @property
+    def dim(self) -> str:
+        """The constexpr holding this part's width (HEAD_DIM for a side that is not split)."""
+        return f"{self.name.upper()}_DIM" if self.split else "HEAD_DIM"
+
+    @property
+    def offset_expr(self) -> str:
+        """The constexpr holding this part's first channel in the permuted head; "" for a side that is not split."""
+        return f"{self.name.upper()}_OFFSET" if self.split else ""
+
+    @property
     def chunk_pad(self) -> str:
         """The constexpr holding a chunk's width in position space (padded or not)."""
         return f"{self.name.upper()}_CHUNK_PAD" if self.padded else f"{self.name.upper()}_CHUNK"
 
     @property
     def head_pad(self) -> str:
-        """The constexpr holding head_dim in position space."""
+        """The constexpr holding this side's (or part's) width in position space."""
+        if self.split:
+            return f"{self.name.upper()}_PAD" if self.padded else self.dim
         return "HEAD_PAD" if self.padded else "HEAD_DIM"
 
     @property
@@ -74,14 +114,14 @@ class SideLayout:
         return tuple(out)
 
     def code_bytes(self, head_dim: int) -> int:
-        return head_dim * self.code_bits // 8
+        return self.part_dim(head_dim) * self.code_bits // 8
 
     @property
     def plane_offsets_expr(self) -> tuple[str, ...]:
-        """The plane offsets as constexpr expressions of HEAD_DIM, for the kernels."""
+        """The plane offsets as constexpr expressions of HEAD_DIM (the part's width), for the kernels."""
         out, bits = [], 0
         for plane in self.planes:
-            out.append(f"HEAD_DIM * {bits} // 8" if bits else "0")
+            out.append(f"{self.dim} * {bits} // 8" if bits else "0")
             bits += plane.width
         return tuple(out)
 
@@ -101,7 +141,7 @@ class SideLayout:
     def span(self, head_dim: int) -> int:
         """Consecutive chunks one scale group covers at head_dim: 1 where groups lie inside a chunk (or there are
         none), G / chunk where a group of G channels is wider than the head_dim / chunks columns of a chunk."""
-        g, chunk = self.group_size, head_dim // self.chunks
+        g, chunk = self.group_size, self.part_dim(head_dim) // self.chunks
         return g // chunk if g and g > chunk else 1
 
     @property
@@ -135,7 +175,7 @@ class SideLayout:
 
     def meta_width(self, head_dim: int) -> int:
         """Metadata values per token and head: the fields, once per scale group."""
-        return len(self.metadata) * self.scheme.groups(head_dim)
+        return len(self.metadata) * self.scheme.groups(self.part_dim(head_dim))
 
     @property
     def row_factor(self) -> str | None:
@@ -171,7 +211,7 @@ class SideLayout:
         """meta_width as a constexpr expression of HEAD_DIM, for the kernels."""
         n = len(self.metadata)
         g = self.scheme.scale.group_size
-        return f"(HEAD_DIM // {g} * {n})" if g else str(n)
+        return f"({self.dim} // {g} * {n})" if g else str(n)
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -206,7 +246,7 @@ class SideLayout:
 
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
-        return rotation.sign_vector(head_dim, r.seed) if r.kind == "hadamard" and r.signs else None
+        return rotation.sign_vector(self.part_dim(head_dim), r.seed) if r.kind == "hadamard" and r.signs else None
 
     def centroids_std(self, head_dim: int) -> tuple[float, ...] | None:
         """Lloyd-Max centroids in N(0,1) units; the unit vector's coordinates are these over sqrt(d)."""
@@ -217,11 +257,12 @@ class SideLayout:
             return cb.centroids
         from . import codebooks  # the solver runs at build time only
 
-        return codebooks.lloyd_max(cb.bits, cb.law, head_dim if cb.law == "sphere" else None).centroids
+        d = self.part_dim(head_dim)
+        return codebooks.lloyd_max(cb.bits, cb.law, d if cb.law == "sphere" else None).centroids
 
     def centroids(self, head_dim: int) -> tuple[float, ...] | None:
         std = self.centroids_std(head_dim)
-        return None if std is None else tuple(c / math.sqrt(head_dim) for c in std)
+        return None if std is None else tuple(c / math.sqrt(self.part_dim(head_dim)) for c in std)
 
 
 @dataclass(frozen=True)
@@ -230,9 +271,37 @@ class Layout:
     key: SideLayout
     value: SideLayout
 
+    key_outlier: SideLayout | None = None
+    value_outlier: SideLayout | None = None
+
     @property
     def padded(self) -> bool:
-        return self.key.padded
+        """Some head_dim is not a power of two: kernels take HEAD_PAD."""
+        return any(d & (d - 1) for d in self.scheme.head_dims)
+
+    @property
+    def paley(self) -> bool:
+        """Some side (or part) has a width that is not a power of two: the module carries Paley's matrices."""
+        return any(s.padded for s in self.sides)
+
+    @property
+    def split(self) -> bool:
+        """Some side is split into outlier channels and the rest (scheme.outliers)."""
+        return any(s.split for s in self.sides)
+
+    def parts(self, base: str) -> tuple[SideLayout, ...]:
+        """The parts of one side, outliers first (the order of the permuted head)."""
+        main = getattr(self, base)
+        outlier = getattr(self, f"{base}_outlier")
+        return (outlier, main) if outlier else (main,)
+
+    @property
+    def key_parts(self) -> tuple[SideLayout, ...]:
+        return self.parts("key")
+
+    @property
+    def value_parts(self) -> tuple[SideLayout, ...]:
+        return self.parts("value")
 
     @property
     def window(self) -> int:
@@ -245,8 +314,9 @@ class Layout:
         return tuple(s for s in self.sides if s.per_channel)
 
     @property
-    def sides(self) -> tuple[SideLayout, SideLayout]:
-        return (self.key, self.value)
+    def sides(self) -> tuple[SideLayout, ...]:
+        """Every part of K, then of V: one set of cache tensors each."""
+        return self.key_parts + self.value_parts
 
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""
@@ -256,10 +326,18 @@ class Layout:
         return 2 * head_dim * 2 / self.bytes_per_token(head_dim)
 
 
+def _side(name: str, t: TensorScheme, head_dims: tuple[int, ...], part: str = "") -> SideLayout:
+    if not t.outliers:
+        return SideLayout(name, t, any(d & (d - 1) for d in head_dims), head_dims)
+    index = 0 if part else 1
+    dims = [t.part_dims(d)[index] for d in head_dims]
+    return SideLayout(name, t.outlier_part if part else t, any(p & (p - 1) for p in dims), head_dims, part, t)
+
+
 def plan(scheme: Scheme) -> Layout:
-    padded = any(d & (d - 1) for d in scheme.head_dims)
-    return Layout(
-        scheme,
-        SideLayout("key", scheme.key, padded, scheme.head_dims),
-        SideLayout("value", scheme.value, padded, scheme.head_dims),
-    )
+    parts = {}
+    for base in ("key", "value"):
+        t: TensorScheme = getattr(scheme, base)
+        parts[base] = _side(base, t, scheme.head_dims)
+        parts[f"{base}_outlier"] = _side(f"{base}_outlier", t, scheme.head_dims, "outlier") if t.outliers else None
+    return Layout(scheme, **parts)

@@ -27,8 +27,11 @@ class Quantized:
 
 
 class SideReference:
+    """One side (or one part of a channel split) at one head_dim; self.d is the width it quantizes."""
+
     def __init__(self, side: SideLayout, head_dim: int):
-        self.side, self.d, self.s = side, head_dim, side.scheme
+        self.side, self.d, self.s = side, side.part_dim(head_dim), side.scheme
+        head_dim = self.d
         signs = side.signs(head_dim)
         self.signs = None if signs is None else torch.tensor(signs, dtype=torch.float64)
         c = side.centroids(head_dim)
@@ -261,6 +264,26 @@ class SideReference:
         return math.sqrt(math.pi / 2) / self.d * stored * (sign @ self.qjl)
 
 
+def select_channels(x: torch.Tensor, whole, head_dim: int) -> torch.Tensor:
+    """The channel order of a split side for one KV head: its outlier channels, then the rest, each ascending.
+
+    x [tokens, head_dim] is calibration data (unused for select: fixed). variance: the channels of largest
+    variance over the tokens; rms: of largest mean square; ties go to the lower channel index.
+    """
+    o = whole.outliers
+    n = o.count(head_dim)
+    if o.select == "fixed":
+        chosen = torch.tensor(o.channels, dtype=torch.int64)
+    else:
+        x = x.to(torch.float64)
+        score = x.var(dim=0, unbiased=False) if o.select == "variance" else x.pow(2).mean(dim=0)
+        order = sorted(range(head_dim), key=lambda c: (-float(score[c]), c))
+        chosen = torch.tensor(sorted(order[:n]), dtype=torch.int64)
+    rest = torch.ones(head_dim, dtype=torch.bool)
+    rest[chosen] = False
+    return torch.cat([chosen, rest.nonzero().flatten()])
+
+
 def fp8_grid(fmt: str, by_code: bool = False):
     """The finite values of an fp8 format: (sorted values, their codes), or by_code: value of each code 0..255.
 
@@ -284,16 +307,62 @@ class Reference:
         self._sides: dict[tuple[str, int], SideReference] = {}
 
     def side(self, name: str, head_dim: int) -> SideReference:
+        """name: "key", "value", or a split's "key_outlier" / "value_outlier" (then "key" is the rest)."""
         if (name, head_dim) not in self._sides:
             self._sides[(name, head_dim)] = SideReference(getattr(self.layout, name), head_dim)
         return self._sides[(name, head_dim)]
 
-    def quantize(self, name: str, x: torch.Tensor, meta_dtype: torch.dtype = torch.float32) -> Quantized:
-        """x [N, head_dim] -> packed codes and metadata for K (name='key') or V (name='value')."""
-        return self.side(name, x.shape[-1]).quantize(x.cpu(), meta_dtype)
+    def quantize(
+        self, name: str, x: torch.Tensor, meta_dtype: torch.dtype = torch.float32, head_dim: int | None = None
+    ) -> Quantized:
+        """x [N, width] -> packed codes and metadata for K (name='key') or V (name='value'), or one part of a
+        split side (x holds that part's channels of the permuted head; head_dim names the whole head's)."""
+        return self.side(name, head_dim or x.shape[-1]).quantize(x.cpu(), meta_dtype)
 
     def dequantize(self, name: str, codes: torch.Tensor, meta: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.side(name, head_dim).dequantize(codes.cpu(), meta.cpu())
+
+    # -- channel splits: the parts of a side, its channel order per KV head, and the head split into parts
+
+    def parts(self, base: str) -> tuple[SideLayout, ...]:
+        return self.layout.parts(base)
+
+    def channels(self, base: str, x: torch.Tensor) -> torch.Tensor:
+        """A split side's channel order per KV head, int64 [num_kv_heads, head_dim], from x [tokens, heads, d]."""
+        whole = getattr(self.scheme, base)
+        return torch.stack([select_channels(x[:, h].cpu(), whole, x.shape[-1]) for h in range(x.shape[1])])
+
+    def calibrate(self, cache: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Choose each split side's outlier channels from key/value [tokens, num_kv_heads, head_dim] (the
+        generated module's calibrate, in float64)."""
+        for base, x in (("key", key), ("value", value)):
+            if getattr(self.layout, base).split:
+                setattr(cache, f"{base}_channels", self.channels(base, x).to(getattr(cache, f"{base}_codes").device))
+
+    def split(self, base: str, x: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [..., heads, d] in each head's channel order, cut into its parts: {part name: [..., heads, width]}."""
+        order = order.cpu()
+        permuted = x.gather(-1, order.expand(x.shape))
+        out, at = {}, 0
+        for part in self.parts(base):
+            width = part.part_dim(x.shape[-1])
+            out[part.name] = permuted[..., at : at + width]
+            at += width
+        return out
+
+    def join(self, base: str, parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+        """The inverse of split: the parts' values [..., heads, width], outliers first, back in channel order."""
+        permuted = torch.cat(parts, dim=-1)
+        return torch.empty_like(permuted).scatter_(-1, order.cpu().expand(permuted.shape), permuted)
+
+    def roundtrip(self, base: str, x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
+        """One KV head's tokens x [tokens, d] quantized and read back (a split side chooses its channels on x)."""
+        if not getattr(self.layout, base).split:
+            return self.side(base, x.shape[-1]).roundtrip(x, meta_dtype)
+        order = self.channels(base, x[:, None])  # [1, d]
+        parts = self.split(base, x[:, None].to(torch.float64), order)
+        back = [self.side(name, x.shape[-1]).roundtrip(p[:, 0], meta_dtype)[:, None] for name, p in parts.items()]
+        return self.join(base, back, order)[:, 0]
 
     # -- the paged surface, on any object with key_codes/key_meta/value_codes/value_meta/head_dim
 
@@ -315,14 +384,17 @@ class Reference:
         """Tokens are taken one after another, in the order given: the definition the kernels must match."""
         keep = (slot_mapping >= 0).cpu()
         slots = slot_mapping.cpu()[keep].to(torch.int64)
-        for name, x in (("key", key), ("value", value)):
-            if getattr(self.layout, name).per_channel or not len(slots):
+        for base, x in (("key", key), ("value", value)):
+            if getattr(self.layout, base).per_channel or not len(slots):
                 continue  # per channel: quantized a whole token group at a time, below
-            codes, meta = self._slots(cache, name)
             x = x.cpu()[keep]
-            q = self.quantize(name, x.reshape(-1, x.shape[-1]), meta.dtype)
-            codes[slots.to(codes.device)] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
-            meta[slots.to(meta.device)] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
+            d = x.shape[-1]
+            parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
+            for name, xp in parts.items():
+                codes, meta = self._slots(cache, name)
+                q = self.quantize(name, xp.reshape(-1, xp.shape[-1]), meta.dtype, head_dim=d)
+                codes[slots.to(codes.device)] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
+                meta[slots.to(meta.device)] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
         if not self.scheme.window:
             return
         w = self.scheme.window
@@ -343,15 +415,20 @@ class Reference:
                         meta[slot - g + 1 : slot + 1, h] = q.meta.to(meta.device)
 
     def gather(
-        self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None
+        self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None,
+        part: bool = False,
     ) -> torch.Tensor:
         """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its last
         `window` tokens, read from the ring row `window_row`."""
+        side = getattr(self.layout, name)
+        if side.split and not part:
+            # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
+            parts = [self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.parts(name)]
+            return self.join(name, parts, getattr(cache, f"{name}_channels"))
         block_size = cache.key_codes.shape[1]
         codes, meta = self._slots(cache, name)
         h = codes.shape[1]
         quantized = max(seq_len - self.scheme.window, 0)
-        side = getattr(self.layout, name)
         # Per-channel scales dequantize whole groups: every token before the window lies in a complete one.
         span = -(-quantized // side.token_group) * side.token_group if side.per_channel else quantized
         position = torch.arange(span)
@@ -365,7 +442,7 @@ class Reference:
                     x[start : start + g, head] = ref.dequantize_channels(c[start : start + g, head], m[start : start + g, head])
         else:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
-            x = x.view(span, h, cache.head_dim)
+            x = x.view(span, h, -1)
         x = x[:quantized]
         if seq_len > quantized:
             ring = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)

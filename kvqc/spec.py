@@ -15,11 +15,13 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from . import rotation
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 * 1024
@@ -78,6 +80,24 @@ class Residual:
     seed: int = 0
 
 
+OUTLIER_SELECTS = ("variance", "rms", "fixed")
+
+
+@dataclass(frozen=True)
+class Outliers:
+    """A channel split (the TurboQuant paper's outlier channels): `fraction` of each head's channels, chosen by
+    `select`, are quantized on their own, with their own rotation, norm and `codebook`; the rest by the side's."""
+
+    fraction: float  # of head_dim: 0.25 is 32 of 128
+    select: str  # variance | rms: per layer and KV head, from calibration data | fixed: `channels`
+    codebook: Codebook
+    residual: Residual
+    channels: tuple[int, ...] | None = None  # select: fixed (one head_dim only)
+
+    def count(self, head_dim: int) -> int:
+        return round(head_dim * self.fraction)
+
+
 @dataclass(frozen=True)
 class TensorScheme:
     """How one of K or V is quantized."""
@@ -87,10 +107,22 @@ class TensorScheme:
     codebook: Codebook
     residual: Residual
     packing: str = "split"  # split: byte j, field i holds coordinate j + i*d/k | interleaved: j*k + i
+    outliers: Outliers | None = None
 
     @property
     def code_bits(self) -> int:
         return self.codebook.bits + (self.residual.kind != "none")
+
+    @property
+    def outlier_part(self) -> "TensorScheme | None":
+        """The scheme of the outlier channels: this side's, with the outliers' codebook and residual."""
+        o = self.outliers
+        return None if o is None else replace(self, codebook=o.codebook, residual=o.residual, outliers=None)
+
+    def part_dims(self, head_dim: int) -> tuple[int, int]:
+        """(outlier channels, the rest) at head_dim; (0, head_dim) without a split."""
+        n = self.outliers.count(head_dim) if self.outliers else 0
+        return n, head_dim - n
 
     def groups(self, head_dim: int) -> int:
         """Sets of `metadata` fields stored per token and head. Per-channel scales store head_dim sets per group
@@ -128,33 +160,47 @@ class Scheme:
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain data that `scheme_from_dict` reads back: what modules embed and the hash covers."""
 
+        def codebook(c: Codebook) -> dict[str, Any]:
+            out: dict[str, Any] = {"kind": c.kind, "bits": c.bits}
+            if c.kind == "fp8":
+                out["format"] = c.format
+            if c.kind == "lloyd_max":
+                out["law"] = c.law
+                if c.centroids is not None:
+                    out["centroids"] = list(c.centroids)
+            return out
+
+        def residual(r: Residual) -> dict[str, Any]:
+            return {"kind": r.kind, "seed": r.seed} if r.kind == "qjl" else {"kind": r.kind}
+
         def tensor(t: TensorScheme) -> dict[str, Any]:
             rotation: dict[str, Any] = {"kind": t.rotation.kind}
             if t.rotation.kind == "hadamard":
                 rotation.update(signs=t.rotation.signs, seed=t.rotation.seed)
-            codebook: dict[str, Any] = {"kind": t.codebook.kind, "bits": t.codebook.bits}
-            if t.codebook.kind == "fp8":
-                codebook["format"] = t.codebook.format
-            if t.codebook.kind == "lloyd_max":
-                codebook["law"] = t.codebook.law
-                if t.codebook.centroids is not None:
-                    codebook["centroids"] = list(t.codebook.centroids)
-            residual: dict[str, Any] = {"kind": t.residual.kind}
-            if t.residual.kind == "qjl":
-                residual["seed"] = t.residual.seed
             scale: dict[str, Any] = {"kind": t.scale.kind, "axis": t.scale.axis}
             # Optional fields appear only when set, so schemes written before them keep their content hash.
             if t.scale.group_size:
                 scale["group_size"] = t.scale.group_size
             if t.scale.unbiased:
                 scale["unbiased"] = True
-            return {
+            out = {
                 "rotation": rotation,
                 "scale": scale,
-                "codebook": codebook,
-                "residual": residual,
+                "codebook": codebook(t.codebook),
+                "residual": residual(t.residual),
                 "packing": t.packing,
             }
+            if t.outliers:  # only when set, like scale's optional fields
+                o = t.outliers
+                out["outliers"] = {
+                    "fraction": o.fraction,
+                    "select": o.select,
+                    "codebook": codebook(o.codebook),
+                    "residual": residual(o.residual),
+                }
+                if o.channels is not None:
+                    out["outliers"]["channels"] = list(o.channels)
+            return out
 
         out = {
             "version": self.version,
@@ -174,9 +220,14 @@ class Scheme:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def bits_per_coordinate(self, head_dim: int, metadata_bytes: int = 2) -> tuple[float, float]:
-        """Stored bits per coordinate for K and V, metadata included."""
+        """Stored bits per coordinate for K and V, metadata included (both parts of a channel split)."""
+
+        def bits(t: TensorScheme, d: int) -> float:
+            return d * t.code_bits + 8 * metadata_bytes * len(t.metadata) * t.groups(d) if d else 0.0
+
         return tuple(  # type: ignore[return-value]
-            t.code_bits + 8 * metadata_bytes * len(t.metadata) * t.groups(head_dim) / head_dim
+            ((bits(t.outlier_part, t.part_dims(head_dim)[0]) if t.outliers else 0.0) + bits(t, t.part_dims(head_dim)[1]))
+            / head_dim
             for t in (self.key, self.value)
         )
 
@@ -379,7 +430,7 @@ def _residual(source: str, path: str, data: Any) -> Residual:
 
 
 def _tensor(source: str, path: str, data: Any) -> TensorScheme:
-    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing"))
+    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing", "outliers"))
     t = TensorScheme(
         rotation=_rotation(source, f.field("rotation"), f.data.get("rotation", "none")),
         scale=_scale(source, f.field("scale"), f.require("scale")),
@@ -387,32 +438,66 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
         packing=f.choice("packing", ("split", "interleaved"), default="split"),
     )
-    # Combinations the templates cannot honour are refused here, never compiled into something wrong.
+    _check_combination(f, t, "")
+    if f.has("outliers"):
+        t = replace(t, outliers=_outliers(source, f.field("outliers"), f.data["outliers"], t))
+        _check_combination(f, t.outlier_part, "outliers.")
+        if t.per_channel:
+            f.fail("outliers", "per-channel scales already give each channel its own range; remove outliers or use axis: token")
+        if t.packing != "split":
+            f.fail("packing", "a channel split needs split packing; use split")
+    return t
+
+
+def _outliers(source: str, path: str, data: Any, side: TensorScheme) -> Outliers:
+    f = _Fields(source, path, data, ("fraction", "select", "codebook", "residual", "channels"))
+    fraction = f.require("fraction")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        f.fail("fraction", f"expected the share of head_dim's channels, a number between 0 and 1 (0.25: 32 of 128), got {_show(fraction)}")
+    select = f.choice("select", OUTLIER_SELECTS, default="variance")
+    channels = None
+    if select == "fixed":
+        raw = f.require("channels")
+        if not isinstance(raw, list) or not raw or any(type(c) is not int or not 0 <= c < 4096 for c in raw) or len(set(raw)) != len(raw):
+            f.fail("channels", f"expected a list of distinct channel indices (ints from 0), got {_show(raw)}")
+        channels = tuple(sorted(raw))
+    elif f.has("channels"):
+        f.fail("channels", "only meaningful with select: fixed; remove it")
+    return Outliers(
+        fraction=float(fraction),
+        select=select,
+        codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
+        residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
+        channels=channels,
+    )
+
+
+def _check_combination(f: _Fields, t: TensorScheme, prefix: str) -> None:
+    """Combinations the templates cannot honour are refused here, never compiled into something wrong."""
     if t.codebook.kind == "lloyd_max" and t.scale.kind != "norm":
-        f.fail("scale", "codebook kind lloyd_max indexes a unit vector and needs scale: norm")
+        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind lloyd_max indexes a unit vector and needs scale: norm")
     if t.codebook.kind == "uniform" and t.scale.kind not in ("minmax", "absmax"):
-        f.fail("scale", "codebook kind uniform is an integer grid and needs scale: minmax or absmax")
+        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind uniform is an integer grid and needs scale: minmax or absmax")
     if t.codebook.kind == "uniform" and t.scale.kind == "absmax" and t.codebook.bits < 2:
-        f.fail("codebook.bits", "a symmetric (absmax) grid needs 2 or more bits; use scale: minmax for 1 bit")
+        f.fail(prefix + "codebook.bits", "a symmetric (absmax) grid needs 2 or more bits; use scale: minmax for 1 bit")
     if t.codebook.kind == "fp8" and t.scale.kind != "absmax":
-        f.fail("scale", "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)")
+        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)")
     if t.scale.unbiased and t.residual.kind == "qjl":
-        f.fail("scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
+        f.fail(prefix + "residual" if prefix else "scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
     if t.scale.group_size and not t.per_channel and t.packing == "interleaved" and t.code_bits < 8:
         f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
     if t.residual.kind != "none" and t.codebook.kind != "lloyd_max" and (t.scale.group_size or t.per_channel):
         # The residual's one stored value (RMS or norm) is per token: it would need a place beside every group.
-        f.fail("residual", f"a {t.residual.kind} residual needs one scale per token (no scale.group_size); use residual: none")
+        f.fail(prefix + "residual", f"a {t.residual.kind} residual needs one scale per token (no scale.group_size); use residual: none")
     if t.per_channel and t.rotation.kind != "none":
         # Per-channel scales exist to fence off outlier channels, and a rotation spreads every channel over all.
         f.fail("rotation", "per-channel scales (scale.axis: channel) work on the channels as given; use rotation: none")
     if t.per_channel and t.packing != "split":
         f.fail("packing", "per-channel scales need split packing (stored positions are the channels); use split")
     if t.code_bits > 8:
-        f.fail("codebook.bits", f"{t.codebook.bits} bits plus a 1-bit residual exceed 8 bits per coordinate")
+        f.fail(prefix + "codebook.bits", f"{t.codebook.bits} bits plus a 1-bit residual exceed 8 bits per coordinate")
     if t.packing == "interleaved" and t.code_bits not in (1, 2, 4, 8):
         f.fail("packing", f"interleaved packing needs 1, 2, 4 or 8 code bits, got {t.code_bits}; use split")
-    return t
 
 
 def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | None = None) -> Scheme:
@@ -446,6 +531,9 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
     )
     for side in ("key", "value"):
         t: TensorScheme = getattr(scheme, side)
+        if t.outliers:
+            _check_split(f, scheme, side, t)
+            continue
         # Kernels unpack one byte field per column chunk of head_dim * (narrowest plane width) / 8 columns, and
         # tl.dot needs chunks of 16 or more (a zero-padded 8-column path was wrong when compiled on an H200).
         narrowest = min(b for b in (1, 2, 4, 8) if t.code_bits & b)
@@ -491,6 +579,48 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                 f"divides {chunk} or remove {bad}",
             )
     return scheme
+
+
+def _check_split(f: _Fields, scheme: Scheme, side: str, t: TensorScheme) -> None:
+    """A channel split makes two sub-heads of head_dim * fraction and the rest: each must be one the kernels can
+    unpack (chunks of 16 or more real columns), rotate (a Hadamard order) and group, at every listed head_dim."""
+    o = t.outliers
+    where = f"{side}.outliers"
+    if scheme.window:
+        f.fail(where, "a channel split with a recent-token window is not supported yet; remove window or outliers")
+    odd = [d for d in scheme.head_dims if d & (d - 1)]
+    if odd:
+        f.fail("head_dims", f"{side}'s channel split needs power-of-two head_dims; remove {odd}")
+    for d in scheme.head_dims:
+        n = o.count(d)
+        if abs(d * o.fraction - n) > 1e-9 or not 0 < n < d:
+            f.fail(f"{where}.fraction", f"{o.fraction} of head_dim {d} is not a whole number of channels between 1 and {d - 1}; use a multiple of 1/{d}")
+    if o.channels is not None:
+        if len(scheme.head_dims) != 1:
+            f.fail(f"{where}.channels", f"fixed channels name one head_dim's channels; list one head_dim, got {list(scheme.head_dims)}")
+        d = scheme.head_dims[0]
+        if len(o.channels) != o.count(d) or max(o.channels) >= d:
+            f.fail(f"{where}.channels", f"expected {o.count(d)} distinct channels 0..{d - 1} ({o.fraction} of head_dim {d}), got {len(o.channels)} up to {max(o.channels)}")
+    for label, part, index in ((f"{where}.codebook", t.outlier_part, 0), (f"{side}.codebook", t, 1)):
+        what = "outlier" if index == 0 else "other"
+        narrowest = min(b for b in (1, 2, 4, 8) if part.code_bits & b)
+        for d in scheme.head_dims:
+            p = t.part_dims(d)[index]
+            if p * narrowest % 8 or p * narrowest // 8 < 16:
+                f.fail(
+                    label,
+                    f"at head_dim {d} the {p} {what} channels with {part.code_bits}-bit codes unpack {p * narrowest / 8:g}-column "
+                    f"chunks (a {narrowest}-bit plane); kernels need whole chunks of 16 or more: change fraction or bits",
+                )
+            if part.rotation.kind == "hadamard":
+                try:
+                    rotation.hadamard_factors(p)
+                except ValueError:
+                    f.fail(f"{where}.fraction", f"at head_dim {d} the {p} {what} channels have no Hadamard matrix (orders 2^k, 12 * 2^k, 20 * 2^k); change fraction")
+            g = part.scale.group_size
+            chunk = p * narrowest // 8
+            if g and not (chunk % g == 0 or (p & (p - 1) == 0 and g % chunk == 0 and p % g == 0)):
+                f.fail(f"{side}.scale.group_size", f"group_size {g} must divide the {chunk}-column chunks of the {p} {what} channels at head_dim {d}; use a group_size that divides {chunk}")
 
 
 def _group_fits(group_size: int, head_dim: int, chunk: int) -> bool:

@@ -31,7 +31,6 @@ class SideReference:
 
     def __init__(self, side: SideLayout, head_dim: int):
         self.side, self.d, self.s = side, side.part_dim(head_dim), side.scheme
-        head_dim = self.d
         signs = side.signs(head_dim)
         self.signs = None if signs is None else torch.tensor(signs, dtype=torch.float64)
         c = side.centroids(head_dim)
@@ -39,7 +38,7 @@ class SideReference:
         self.boundaries = None if c is None else (self.centroids[1:] + self.centroids[:-1]) / 2
         r = self.s.residual
         self.qjl = (
-            torch.tensor(rotation.gaussian_matrix(head_dim, head_dim, r.seed), dtype=torch.float64)
+            torch.tensor(rotation.gaussian_matrix(self.d, self.d, r.seed), dtype=torch.float64)
             if r.kind == "qjl"
             else None
         )

@@ -6,12 +6,13 @@ fill's codes and metadata against the reference's, every other byte of the cache
 reference dequantization, and decode against reference attention on peaked (not near-uniform) scores.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DEEP, DEVICE, ROOT, SCHEMES, generated
+from conftest import DEEP, DEVICE, ROOT, SCHEMES, SPLIT_SCHEMES, generated
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,11 +38,18 @@ class Case:
     dtype: torch.dtype
 
 
+def cache_fields(cache) -> list[str]:
+    """The cache's per-slot tensors: codes and metadata of every side, and of both parts of a split side."""
+    return [f.name for f in dataclasses.fields(cache) if f.name.endswith(("_codes", "_meta"))]
+
+
 def poison(cache, generator):
-    for t in (cache.key_codes, cache.value_codes):
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
-    for t in (cache.key_meta, cache.value_meta):
-        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+    for name in cache_fields(cache):
+        t = getattr(cache, name)
+        if name.endswith("_codes"):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
+        else:
+            t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
 
 
 def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, skipped=3) -> Case:
@@ -68,6 +76,8 @@ def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, s
     value = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
     cache = m.allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
     poison(cache, g)
+    if hasattr(m, "calibrate"):  # a channel split chooses each head's outlier channels from sample K/V
+        m.calibrate(cache, key.to(DEVICE), value.to(DEVICE))
     return Case(
         m, cache, key.to(DEVICE), value.to(DEVICE), slot_mapping.to(DEVICE), block_tables.to(DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), dtype,
@@ -75,47 +85,53 @@ def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, s
 
 
 def snapshot(cache):
-    return {f: getattr(cache, f).clone() for f in ("key_codes", "key_meta", "value_codes", "value_meta")}
+    return {f: getattr(cache, f).clone() for f in cache_fields(cache)}
 
 
 def check_fill(case: Case, before: dict):
     ref = case.module.reference
     written = case.slot_mapping[case.slot_mapping >= 0].cpu()
     keep = (case.slot_mapping >= 0).cpu()
-    for side, x in (("key", case.key), ("value", case.value)):
-        codes = getattr(case.cache, f"{side}_codes").cpu()
-        meta = getattr(case.cache, f"{side}_meta").cpu()
-        h = codes.shape[2]
-        flat_codes, flat_meta = codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
-        # Nothing lost: every slot the fill was not given keeps its poisoned bytes.
-        untouched = torch.ones(flat_codes.shape[0], dtype=torch.bool)
-        untouched[written] = False
-        old_codes = before[f"{side}_codes"].cpu().view_as(flat_codes)
-        old_meta = before[f"{side}_meta"].cpu().view_as(flat_meta)
-        assert torch.equal(flat_codes[untouched], old_codes[untouched]), f"{side}: fill wrote a slot it was not given"
-        assert torch.equal(flat_meta[untouched], old_meta[untouched]), f"{side}: fill wrote metadata it was not given"
+    d = case.key.shape[-1]
+    for base, x in (("key", case.key), ("value", case.value)):
+        x = x.cpu()[keep]
+        # A split side is checked part by part, on each head's channels in the order the cache chose.
+        parts = ref.split(base, x, getattr(case.cache, f"{base}_channels")) if ref.layout.parts(base)[-1].split else {base: x}
+        for side, xp in parts.items():
+            scheme = getattr(ref.layout, side).scheme
+            codes = getattr(case.cache, f"{side}_codes").cpu()
+            meta = getattr(case.cache, f"{side}_meta").cpu()
+            h = codes.shape[2]
+            flat_codes, flat_meta = codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
+            # Nothing lost: every slot the fill was not given keeps its poisoned bytes.
+            untouched = torch.ones(flat_codes.shape[0], dtype=torch.bool)
+            untouched[written] = False
+            old_codes = before[f"{side}_codes"].cpu().view_as(flat_codes)
+            old_meta = before[f"{side}_meta"].cpu().view_as(flat_meta)
+            assert torch.equal(flat_codes[untouched], old_codes[untouched]), f"{side}: fill wrote a slot it was not given"
+            assert torch.equal(flat_meta[untouched], old_meta[untouched]), f"{side}: fill wrote metadata it was not given"
 
-        want = ref.quantize(side, x.cpu()[keep].reshape(-1, x.shape[-1]), meta.dtype)
-        got_codes = flat_codes[written].reshape(-1, codes.shape[-1])
-        got = ref.side(side, x.shape[-1]).unpack(got_codes)
-        differ = got != want.code
-        allowed = want.margin < MARGIN
-        if case.module.SCHEME[side]["residual"]["kind"] == "qjl":
-            # An index legitimately flipped at a boundary changes the residual r, and so every bit of sign(S r)
-            # in that row: those rows may differ in their QJL bits anywhere.
-            index_mask = 2 ** case.module.SCHEME[side]["codebook"]["bits"] - 1
-            index_flipped = (((got ^ want.code) & index_mask) != 0) & allowed
-            qjl_only = ((got ^ want.code) & index_mask) == 0
-            allowed = allowed | (index_flipped.any(dim=1, keepdim=True) & qjl_only)
-        assert not (differ & ~allowed).any(), (
-            f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference away from any decision boundary"
-        )
-        clean = ~differ.any(dim=1)  # rows whose codes agree: their metadata must agree too
-        got_meta = flat_meta[written].reshape(-1, meta.shape[-1]).to(torch.float64)
-        want_meta = want.meta.to(torch.float64)
-        torch.testing.assert_close(
-            got_meta[clean], want_meta[clean], rtol=META_RTOL[meta.dtype], atol=1e-6, msg=f"{side} metadata"
-        )
+            want = ref.quantize(side, xp.reshape(-1, xp.shape[-1]), meta.dtype, head_dim=d)
+            got_codes = flat_codes[written].reshape(-1, codes.shape[-1])
+            got = ref.side(side, d).unpack(got_codes)
+            differ = got != want.code
+            allowed = want.margin < MARGIN
+            if scheme.residual.kind == "qjl":
+                # An index legitimately flipped at a boundary changes the residual r, and so every bit of sign(S r)
+                # in that row: those rows may differ in their QJL bits anywhere.
+                index_mask = 2 ** scheme.codebook.bits - 1
+                index_flipped = (((got ^ want.code) & index_mask) != 0) & allowed
+                qjl_only = ((got ^ want.code) & index_mask) == 0
+                allowed = allowed | (index_flipped.any(dim=1, keepdim=True) & qjl_only)
+            assert not (differ & ~allowed).any(), (
+                f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference away from any decision boundary"
+            )
+            clean = ~differ.any(dim=1)  # rows whose codes agree: their metadata must agree too
+            got_meta = flat_meta[written].reshape(-1, meta.shape[-1]).to(torch.float64)
+            want_meta = want.meta.to(torch.float64)
+            torch.testing.assert_close(
+                got_meta[clean], want_meta[clean], rtol=META_RTOL[meta.dtype], atol=1e-6, msg=f"{side} metadata"
+            )
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -170,7 +186,7 @@ cases = st.fixed_dictionaries(
 )
 
 
-@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("name", SCHEMES + SPLIT_SCHEMES)
 @given(c=cases)
 def test_kernels_match_reference(name, c):
     dims = [d for d in generated(name).HEAD_DIMS if DEEP or d <= 128]

@@ -9,6 +9,7 @@ or bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -207,12 +208,18 @@ def _cache_bytes(cache) -> int:
 
 
 def _fields(cache) -> tuple[str, ...]:
-    return CACHE_FIELDS + (WINDOW_FIELDS if hasattr(cache, "key_window") else ())
+    # A channel split adds each outlier part's codes and metadata beside CACHE_FIELDS.
+    parts = tuple(f.name for f in dataclasses.fields(cache) if f.name.endswith(("_codes", "_meta")) and f.name not in CACHE_FIELDS)
+    return CACHE_FIELDS + parts + (WINDOW_FIELDS if hasattr(cache, "key_window") else ())
 
 
 def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, batch: int):
     rows = {"max_seqs": batch} if hasattr(module, "WINDOW") else {}  # sequence b keeps ring row b
-    return module.allocate_cache(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=torch.float16, **rows)
+    cache = module.allocate_cache(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=torch.float16, **rows)
+    if hasattr(module, "calibrate"):  # a channel split: choose outlier channels (speed does not depend on which)
+        sample = torch.randn(64, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+        module.calibrate(cache, sample, sample)
+    return cache
 
 
 def _rows(module: ModuleType, batch: int) -> tuple:
@@ -258,6 +265,9 @@ def _clone_cache(module: ModuleType, cache):
     copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch)
     for field in _fields(cache):
         getattr(copy, field).copy_(getattr(cache, field))
+    for base in ("key", "value"):
+        if getattr(cache, f"{base}_channels", None) is not None:
+            setattr(copy, f"{base}_channels", getattr(cache, f"{base}_channels").clone())
     return copy
 
 

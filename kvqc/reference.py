@@ -441,7 +441,7 @@ class Reference:
                     x[start : start + g, head] = ref.dequantize_channels(c[start : start + g, head], m[start : start + g, head])
         else:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
-            x = x.view(span, h, -1)
+            x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
         if seq_len > quantized:
             ring = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)

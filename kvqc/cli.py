@@ -69,7 +69,11 @@ def _explain(args: argparse.Namespace) -> int:
     from .codegen import describe
     from .layout import plan
 
-    scheme = load_scheme(args.scheme)
+    path = Path(args.scheme)
+    # A bare name means the shipped scheme: `kvqc explain turbo_k4v2` reads schemes/turbo_k4v2.yaml.
+    if not path.exists() and path.parent == Path(".") and path.suffix == "" and (Path("schemes") / f"{path}.yaml").is_file():
+        path = Path("schemes") / f"{path}.yaml"
+    scheme = load_scheme(path)
     layout = plan(scheme)
     d = args.head_dim if args.head_dim in scheme.head_dims else scheme.head_dims[-1]
     print(f"{scheme.name}: {' '.join(scheme.description.split()) or '(no description)'}")
@@ -77,7 +81,9 @@ def _explain(args: argparse.Namespace) -> int:
     print("cache tensors ([num_blocks, B, H, ...], LMDeploy's 'bshd' layout):")
     for side in layout.sides:
         planes = " + ".join(f"{p.width}-bit" for p in side.planes)
-        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord ({planes} planes)")
+        width = side.part_dim(d)
+        which = f" of the {width} {'outlier' if side.part else 'other'} channels" if side.split else ""
+        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord{which} ({planes} planes)")
         fields = ", ".join(side.metadata)
         if side.group_size:
             fields += f" for each of {d // side.group_size} groups of {side.group_size} channels"
@@ -86,6 +92,13 @@ def _explain(args: argparse.Namespace) -> int:
             fields += (f" for each of the {d} channels, per group of {g} tokens: the group's "
                        f"{d * len(side.metadata)} values spread over its {g} slots")
         print(f"  {side.name + '_meta':<12} fp16    [num_blocks, B, H, {side.meta_width(d)}]  {fields}")
+    for side in layout.sides:
+        if side.part:
+            o = side.whole.outliers
+            rule = (f"fixed by the scheme: {list(o.channels)}" if o.select == "fixed"
+                    else f"calibrate(cache, key, value) takes the {side.part_dim(d)} of largest {o.select} per KV head")
+            print(f"  {side.base + '_channels':<12} int64   [H, {d}]  each KV head's channel order, its {side.part_dim(d)} "
+                  f"outlier channels first ({rule}); once per layer, not per token")
     if scheme.window:
         print(f"ring tensors ([max_seqs, {scheme.window}, H, d], one row per live sequence):")
         for name in ("key", "value"):
@@ -98,7 +111,11 @@ def _explain(args: argparse.Namespace) -> int:
     for side in layout.sides:
         print(f"{side.name}: {describe(side)}")
     print("kernels:")
+    if layout.split:
+        print("  calibrate  once per layer, before the first fill: choose each KV head's outlier channels from sample K/V")
     print("  fill     quantize new tokens [T, H, d] and write them to slot_mapping's slots (negative = skip)")
+    if layout.split:
+        print("           each head's channels in its order, outliers first; each part rotated, scaled and coded apart")
     if scheme.window:
         print(f"           and copy each sequence's last {scheme.window} into its ring row (positions, window_index)")
     for side in layout.per_channel:
@@ -107,6 +124,8 @@ def _explain(args: argparse.Namespace) -> int:
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     print("           the query is rotated once and the output rotated back once")
+    if layout.split:
+        print("           a split side: scores summed over its two parts, one output per part, put back in channel order")
     if scheme.window:
         print(f"           the last {scheme.window} tokens: one more split over the ring, unquantized")
     return 0

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .modules import meta_width
+from . import modules
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -218,8 +218,9 @@ def bits_per_coordinate(past, head_dim: int, metadata_bytes: int) -> tuple[float
             k += 8 * metadata_bytes
             v += 8 * metadata_bytes
             continue
-        k += module.KEY_CODE_BITS + 8 * metadata_bytes * meta_width(module, "key", head_dim) / head_dim
-        v += module.VALUE_CODE_BITS + 8 * metadata_bytes * meta_width(module, "value", head_dim) / head_dim
+        kb, vb = modules.bits_per_coordinate(module, head_dim, metadata_bytes)
+        k += kb
+        v += vb
     return k / len(past.layers), v / len(past.layers)
 
 

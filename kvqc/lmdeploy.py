@@ -124,6 +124,11 @@ class Kernels:
                 f"module: {name} keeps each sequence's last {module.WINDOW} tokens in a ring row per sequence, which "
                 "LMDeploy's fill/flatten/attention calls do not pass (use a scheme without window)"
             )
+        if hasattr(module, "calibrate"):
+            raise ValueError(
+                f"module: {name} splits off outlier channels, which LMDeploy's four cache tensors per layer cannot hold "
+                "(use a scheme without outliers)"
+            )
         grouped = [side for side in ("KEY", "VALUE") if getattr(module, f"{side}_GROUP_SIZE", None)]
         if grouped:
             raise ValueError(

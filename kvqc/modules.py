@@ -127,6 +127,14 @@ def load(scheme: str | Path) -> ModuleType:
         return module
 
 
+def bits_per_coordinate(module: ModuleType, head_dim: int, metadata_bytes: int = 2) -> tuple[float, float]:
+    """Stored K and V bits per coordinate of a generated module's cache (both parts of a channel split), read off
+    the scheme it embeds."""
+    from .spec import scheme_from_dict
+
+    return scheme_from_dict(module.SCHEME, source="<generated module>").bits_per_coordinate(head_dim, metadata_bytes)
+
+
 def meta_width(module: ModuleType, side: str, head_dim: int) -> int:
     """Metadata values per token and KV head of a generated module's K (side='key') or V: fields times groups."""
     fields = len(getattr(module, f"{side.upper()}_METADATA"))

@@ -46,7 +46,7 @@ from typing import Any
 
 from . import eval as evaluation
 from .eval import machine, versions
-from .modules import meta_width
+from . import modules
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("random", "smollm2")
@@ -223,8 +223,8 @@ def measure(module, data: dict[str, Any], meta_dtype=None) -> dict[str, Any]:
         for side, x in (("key", seg.k), ("value", seg.v)):
             # Every token quantized, each KV head's tokens a sequence (per-channel scales group along it): a
             # window scheme's last `window` tokens would be exact, which this table leaves out.
-            side_ref = ref.side(side, d)
-            hats.append(torch.stack([side_ref.roundtrip(head, meta_dtype) for head in x]))
+            # A split side chooses each head's outlier channels on that head's own tokens (calibrate's rule).
+            hats.append(torch.stack([ref.roundtrip(side, head, meta_dtype) for head in x]))
         k_hat, v_hat = hats
         group = seg.q.shape[0] // seg.k.shape[0]
         s, o = _attend(seg.q, seg.k, seg.v, group, seg.causal)
@@ -239,8 +239,7 @@ def measure(module, data: dict[str, Any], meta_dtype=None) -> dict[str, Any]:
         sums["o_err"] += o_err
         sums["o_ref"] += o_ref
         per_segment.append(math.sqrt(o_err / o_ref))
-    kb = module.KEY_CODE_BITS + 16 * meta_width(module, "key", d) / d
-    vb = module.VALUE_CODE_BITS + 16 * meta_width(module, "value", d) / d
+    kb, vb = modules.bits_per_coordinate(module, d, 2)
     row.update({
         "status": "ok",
         "bits_per_coordinate": [kb, vb],

@@ -35,6 +35,7 @@ supported and raise NotImplementedError.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from types import ModuleType
@@ -70,6 +71,9 @@ class _Kernels:
     def fill(self, cache, key, value, slots, window):
         self.module.fill(cache, key, value, slots, *(window if self.windowed else ()))
 
+    def calibrate(self, cache, key, value):
+        self.module.calibrate(cache, key, value)
+
     def flatten(self, cache, block_tables, seq_lens, rows):
         return self.module.flatten(cache, block_tables, seq_lens, *((rows,) if self.windowed else ()))
 
@@ -86,6 +90,9 @@ class _Reference:
 
     def fill(self, cache, key, value, slots, window):
         self.oracle.fill(cache, key, value, slots, *window)
+
+    def calibrate(self, cache, key, value):
+        self.oracle.calibrate(cache, key, value)
 
     def flatten(self, cache, block_tables, seq_lens, rows):
         k, v = self.oracle.flatten(cache, block_tables, seq_lens, rows)
@@ -316,8 +323,11 @@ class QuantizedLayer(_Layer):
         if self._next_block + extra > self.cache.num_blocks:
             num_blocks = max(self._next_block + extra, 2 * self.cache.num_blocks)
             grown = self._new_cache(num_blocks)
-            for field in ("key_codes", "key_meta", "value_codes", "value_meta"):
+            for field in (f.name for f in dataclasses.fields(grown) if f.name.endswith(("_codes", "_meta"))):
                 getattr(grown, field)[: self.cache.num_blocks].copy_(getattr(self.cache, field))
+            for field in ("key_channels", "value_channels"):  # a channel split's per-head order stays as chosen
+                if getattr(self.cache, field, None) is not None:
+                    setattr(grown, field, getattr(self.cache, field))
             for field in ("key_window", "value_window"):
                 if hasattr(grown, field):
                     getattr(grown, field).copy_(getattr(self.cache, field))
@@ -353,6 +363,11 @@ class QuantizedLayer(_Layer):
         v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
         positions = position.view(-1).to(self.device)
         rows = self._rows().repeat_interleave(tokens)
+        if getattr(self.cache, "key_channels", 1) is None or getattr(self.cache, "value_channels", 1) is None:
+            # A channel split chooses each head's outlier channels once per layer, from the first tokens stored
+            # (the prompt's), padding excluded.
+            kept = keep.reshape(-1).to(self.device)
+            self.ops.calibrate(self.cache, k[kept], v[kept])
         self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device), (positions, rows))
 
     def flatten(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,6 +159,11 @@ def scheme_module() -> ModuleType:
             f"{SCHEME_ENV}: {module.SCHEME['name']} keeps each sequence's last {module.WINDOW} tokens in a ring row per "
             "sequence, which this backend does not allocate yet (use a scheme without window)"
         )
+    if hasattr(module, "calibrate"):
+        raise ValueError(
+            f"{SCHEME_ENV}: {module.SCHEME['name']} splits off outlier channels, whose cache tensors and per-layer "
+            "channel order this backend does not carve yet (use a scheme without outliers)"
+        )
     return module
 
 

@@ -354,3 +354,30 @@ def test_window_scheme_in_a_left_padded_batch(tiny, backend):
         alone = generate(tiny, ids, new, kq.cache(WINDOWED, tiny.config, backend=backend, block_size=16),
                          attention=kq.ATTENTION)
         assert together[row].tolist() == alone[0].tolist()
+
+
+SPLIT = str(ROOT / "tests" / "schemes" / "split_d64.yaml")  # head_dim 64, outlier channels on K
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_scheme_calibrates_on_the_prompt(tiny, backend):
+    """A channel split chooses each layer's outlier channels from the first K/V stored (the prompt), and the
+    cache reads back what the reference makes of it."""
+    from kvqc.reference import select_channels
+
+    ids = prompt(11, 24)
+    past = kq.cache(SPLIT, tiny.config, backend=backend, block_size=16)
+    seen = record_updates(past)
+    generate(tiny, ids, 4, past, attention=kq.ATTENTION)
+    for i, layer in enumerate(past.layers):
+        first = seen[i][0][0][0].transpose(0, 1).cpu()  # [tokens, heads, dim] of the prompt
+        whole = layer.module.reference.scheme.key
+        want = torch.stack([select_channels(first[:, h], whole, 64) for h in range(first.shape[1])])
+        assert torch.equal(layer.cache.key_channels.cpu(), want)
+        assert not hasattr(layer.cache, "value_channels")  # V is not split
+        ref_k, ref_v = layer.module.reference.flatten(layer.cache, layer.block_tables, layer.seq_lens_tensor())
+        stored = layer.sequences()
+        torch.testing.assert_close(torch.cat([k for k, _ in stored]).cpu().double(), ref_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat([v for _, v in stored]).cpu().double(), ref_v, rtol=1e-5, atol=1e-5)
+        key = torch.cat([k for k, _ in seen[i]], dim=2)[0].transpose(0, 1).cpu()
+        assert float((ref_k - key.double()).norm() / key.double().norm()) < 0.1  # 4 and 8 bits: close to the input

@@ -655,6 +655,7 @@ BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
     "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
     "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36,
+    "turbo_outlier_2p5": 88,  # per side: 32 channels x 4 bits + 96 x 2 bits = 40 bytes, and two fp16 norms
 }
 WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64"}
 NOT_AT_128 = ("turbo_k4v2_d80_96",)
@@ -722,7 +723,7 @@ def test_explain_turbo_k4v2(capsys):
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
 NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q5_0_q3_0", "metal_q8_0_q3_0",
                                      "metal_uint2_q2_0", "sign1_window")}
-NOT_BUILT |= {("turbo_k4v2_d80_96", d) for d in (64, 128, 256)}
+NOT_BUILT |= {("turbo_k4v2_d80_96", d) for d in (64, 128, 256)} | {("turbo_outlier_2p5", 64)}
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -735,7 +736,10 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     # A head_dim not built for falls back to the scheme's largest.
     shown = scheme.head_dims[-1] if (name, head_dim) in NOT_BUILT else head_dim
     # From first principles: codes at code_bits per coordinate, plus 2 bytes per metadata value, K and V.
-    expected = sum(t.code_bits * shown // 8 + 2 * len(t.metadata) * t.groups(shown) for t in (scheme.key, scheme.value))
+    # A channel split stores both parts: its outlier channels and the rest, each with its own metadata.
+    parts = [(p, w) for t in (scheme.key, scheme.value)
+             for p, w in ([(t.outlier_part, t.part_dims(shown)[0]), (t, t.part_dims(shown)[1])] if t.outliers else [(t, shown)])]
+    expected = sum(p.code_bits * w // 8 + 2 * len(p.metadata) * p.groups(w) for p, w in parts)
     assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * shown})" in out
     assert f"shown for head_dim {shown}" in out
     for side in ("key", "value"):

@@ -227,9 +227,10 @@ def fmt_variant(v) -> str:
 
 def write_table(path: Path, winners: dict, header: dict) -> None:
     table = json.loads(path.read_text(encoding="utf-8"))
-    table["device"] = header["device"]
-    table["torch"], table["triton"] = header["torch"], header["triton"]
-    table["shapes"] = header["shapes"]
+    # The top-level device, versions and shapes describe the schemes tuned before per-scheme sweep notes existed;
+    # a later sweep records its own under "sweeps" and leaves those (their modules' comments) alone.
+    for key in ("device", "torch", "triton", "shapes"):
+        table.setdefault(key, header[key])
     for (name, d), v in winners.items():
         table["schemes"].setdefault(name, {})[str(d)] = list(v)
         # Each scheme keeps the device and shapes of its own last sweep, for its module's comment.

@@ -39,6 +39,8 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     path = tmp_path / "decode_tuning.json"
     path.write_text(codegen.DECODE_TUNING.read_text(encoding="utf-8"), encoding="utf-8")
     header = {"device": "Test GPU", "torch": "t", "triton": "x", "shapes": "batch 1"}
+    # Schemes tuned before per-scheme sweep notes (int4_token) keep the table's own note through later sweeps.
+    shipped_note = codegen.decode_tuning("int4_token")["comment"]
     tune.write_table(path, {("some_scheme", 128): (32, 1, 2, 16, 128)}, header)
     tune.write_table(path, {("some_scheme", 64): (64, 1, 3, 16, 128)}, header)
     table = json.loads(path.read_text(encoding="utf-8"))
@@ -51,3 +53,4 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     assert "Test GPU (batch 1)" in codegen.decode_tuning("some_scheme")["comment"]
     assert "Other GPU (batch 8)" in codegen.decode_tuning("later")["comment"]
     assert codegen.decode_tuning("other")["configs"] == "{}"
+    assert codegen.decode_tuning("int4_token")["comment"] == shipped_note

@@ -186,3 +186,36 @@ def test_split_with_window_or_per_channel_scales_is_refused():
     kivi["key"]["outliers"] = {"fraction": 0.25, "codebook": {"kind": "uniform", "bits": 4}}
     with pytest.raises(SchemeError, match="key.outliers: per-channel scales already"):
         scheme_from_dict(kivi, "x.yaml")
+
+
+@pytest.mark.parametrize("name", ALL_SPLITS, ids=lambda p: p.rsplit("/", 1)[-1].removesuffix(".yaml"))
+@pytest.mark.parametrize("block_size, seq_lens", [(1, [3, 0, 5]), (3, [7, 1]), (256, [0])])
+def test_odd_block_sizes_and_empty_sequences(name, block_size, seq_lens):
+    """The edge shapes test_edges.py gives unsplit schemes: one-slot and three-slot blocks, empty sequences."""
+    import test_kernels as tk
+
+    case = tk.make_case(name, generated(name).HEAD_DIMS[0], block_size, 2, seq_lens, torch.float16, 5)
+    before = tk.snapshot(case.cache)
+    case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
+    tk.check_fill(case, before)
+    tk.check_flatten(case)
+    tk.check_decode(case, 3, 6)
+
+
+@pytest.mark.parametrize("name", ALL_SPLITS, ids=lambda p: p.rsplit("/", 1)[-1].removesuffix(".yaml"))
+def test_a_nan_coordinate_stays_in_its_token(name):
+    import test_kernels as tk
+
+    case = tk.make_case(name, generated(name).HEAD_DIMS[0], 16, 1, [20], torch.float32, 7)
+    key = case.key.clone()
+    first = int((case.slot_mapping >= 0).nonzero()[0])  # a token with a slot gets one NaN coordinate
+    key[first, 0, 5] = float("nan")
+    case.module.fill(case.cache, key, case.value, case.slot_mapping)
+    k, _ = case.module.flatten(case.cache, case.block_tables, case.seq_lens)
+    finite = torch.isfinite(k).all(dim=-1).all(dim=-1).cpu()
+    # Its position in the sequence: the slot's block is at column p // 16 of the block table.
+    slot = int(case.slot_mapping[first])
+    position = case.block_tables[0].cpu().tolist().index(slot // 16) * 16 + slot % 16
+    others = torch.ones_like(finite)
+    others[position] = False
+    assert finite[others].all()

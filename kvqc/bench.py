@@ -37,8 +37,6 @@ FILL_TOKENS_PER_SEQ = 8192  # a prefill chunk, not a whole context: fill is time
 FILL_CHUNK_BYTES = 256 * MiB  # fp16 input per fill call while populating a cache, to bound the staging memory
 ATTEND_TOKENS = 16  # new query tokens per sequence for attend: a speculative-decoding verification step
 ERR_WARN = 1e-2  # decode vs SDPA on the same dequantized cache: only fp rounding should separate them
-CACHE_FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
-WINDOW_FIELDS = ("key_window", "value_window")  # schemes with a recent-token window: one ring row per sequence
 DEVICE = "cuda"  # one place, so the pipeline can be smoke-tested on CPU under the interpreter
 
 
@@ -208,9 +206,8 @@ def _cache_bytes(cache) -> int:
 
 
 def _fields(cache) -> tuple[str, ...]:
-    # A channel split adds each outlier part's codes and metadata beside CACHE_FIELDS.
-    parts = tuple(f.name for f in dataclasses.fields(cache) if f.name.endswith(("_codes", "_meta")) and f.name not in CACHE_FIELDS)
-    return CACHE_FIELDS + parts + (WINDOW_FIELDS if hasattr(cache, "key_window") else ())
+    # Codes and metadata of every side (and of both parts of a channel split), then a window scheme's rings.
+    return tuple(f.name for f in dataclasses.fields(cache) if f.name.endswith(("_codes", "_meta", "_window")))
 
 
 def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, batch: int):

@@ -74,10 +74,6 @@ class SideLayout:
             return head_dim
         return self.whole.part_dims(head_dim)[0 if self.part else 1]
 
-    def offset(self, head_dim: int) -> int:
-        """Where this part's channels start in the permuted head (outliers first)."""
-        return 0 if self.part or not self.split else head_dim - self.part_dim(head_dim)
-
     @property
     def dim(self) -> str:
         """The constexpr holding this part's width (HEAD_DIM for a side that is not split)."""

@@ -323,9 +323,6 @@ class Reference:
 
     # -- channel splits: the parts of a side, its channel order per KV head, and the head split into parts
 
-    def parts(self, base: str) -> tuple[SideLayout, ...]:
-        return self.layout.parts(base)
-
     def channels(self, base: str, x: torch.Tensor) -> torch.Tensor:
         """A split side's channel order per KV head, int64 [num_kv_heads, head_dim], from x [tokens, heads, d]."""
         whole = getattr(self.scheme, base)
@@ -343,7 +340,7 @@ class Reference:
         order = order.cpu()
         permuted = x.gather(-1, order.expand(x.shape))
         out, at = {}, 0
-        for part in self.parts(base):
+        for part in self.layout.parts(base):
             width = part.part_dim(x.shape[-1])
             out[part.name] = permuted[..., at : at + width]
             at += width
@@ -422,7 +419,7 @@ class Reference:
         side = getattr(self.layout, name)
         if side.split and not part:
             # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
-            parts = [self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.parts(name)]
+            parts = [self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.layout.parts(name)]
             return self.join(name, parts, getattr(cache, f"{name}_channels"))
         block_size = cache.key_codes.shape[1]
         codes, meta = self._slots(cache, name)

@@ -619,7 +619,8 @@ def _check_split(f: _Fields, scheme: Scheme, side: str, t: TensorScheme) -> None
                     f.fail(f"{where}.fraction", f"at head_dim {d} the {p} {what} channels have no Hadamard matrix (orders 2^k, 12 * 2^k, 20 * 2^k); change fraction")
             g = part.scale.group_size
             chunk = p * narrowest // 8
-            if g and not (chunk % g == 0 or (p & (p - 1) == 0 and g % chunk == 0 and p % g == 0)):
+            # As for a whole side (_group_fits), except that a group may span chunks only of an unpadded part.
+            if g and not (_group_fits(g, p, chunk) and (chunk % g == 0 or not p & (p - 1))):
                 f.fail(f"{side}.scale.group_size", f"group_size {g} must divide the {chunk}-column chunks of the {p} {what} channels at head_dim {d}; use a group_size that divides {chunk}")
 
 

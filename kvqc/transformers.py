@@ -363,7 +363,8 @@ class QuantizedLayer(_Layer):
         v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
         positions = position.view(-1).to(self.device)
         rows = self._rows().repeat_interleave(tokens)
-        if getattr(self.cache, "key_channels", 1) is None or getattr(self.cache, "value_channels", 1) is None:
+        channels = [getattr(self.cache, f) for f in ("key_channels", "value_channels") if hasattr(self.cache, f)]
+        if any(order is None for order in channels):
             # A channel split chooses each head's outlier channels once per layer, from the first tokens stored
             # (the prompt's), padding excluded.
             kept = keep.reshape(-1).to(self.device)

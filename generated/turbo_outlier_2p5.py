@@ -1568,20 +1568,18 @@ def calibrate(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
     cache.value_channels = _channel_order(value, round(cache.head_dim * VALUE_OUTLIERS), "variance")
 
 
-def _channel_order(x: torch.Tensor, outliers: int, select: str) -> torch.Tensor:
-    """Per KV head: the `outliers` channels of largest score, then the rest, each in ascending order."""
-    x = x.to(torch.float64)
-    score = x.var(dim=0, unbiased=False) if select == "variance" else x.pow(2).mean(dim=0)  # [heads, head_dim]
-    ranked = torch.argsort(-score, dim=-1, stable=True)
-    chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, ranked[:, :outliers], True)
-    # Stable sort on "not chosen" keeps ascending channel order inside each group.
+def _outliers_first(chosen: torch.Tensor) -> torch.Tensor:
+    """The channel order with the chosen channels [..., head_dim] first, each group in ascending order (a stable
+    sort on "not chosen")."""
     return torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)
 
 
-def _fixed_order(head_dim: int, channels: tuple) -> torch.Tensor:
-    chosen = torch.zeros(head_dim, dtype=torch.bool)
-    chosen[list(channels)] = True
-    return torch.argsort((~chosen).to(torch.int8), stable=True)
+def _channel_order(x: torch.Tensor, outliers: int, select: str) -> torch.Tensor:
+    """Per KV head: the `outliers` channels of largest score first."""
+    x = x.to(torch.float64)
+    score = x.var(dim=0, unbiased=False) if select == "variance" else x.pow(2).mean(dim=0)  # [heads, head_dim]
+    ranked = torch.argsort(-score, dim=-1, stable=True)
+    return _outliers_first(torch.zeros_like(score, dtype=torch.bool).scatter_(-1, ranked[:, :outliers], True))
 
 
 def _channels(cache: KVCache, base: str) -> torch.Tensor:

@@ -67,11 +67,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -360,7 +361,7 @@ def _decode_kernel(
 
         tile = level
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
 
         row = row_next
         valid = valid_next

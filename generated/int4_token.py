@@ -67,11 +67,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -270,28 +271,30 @@ def _flatten_kernel(
 
 @triton.jit
 def _unpack_u4(codes):
-    """Two 4-bit codes per byte -> fp16 values of the low nibbles (chunk 0) and of the high nibbles (chunk 1).
+    """Two 4-bit codes per byte -> fp16 code - 8 (centred, see decode) of the low nibbles (chunk 0) and of the high
+    nibbles (chunk 1).
 
     A nibble or'ed into 0x6400 is 1024 + code; a high nibble lands four bits up, 1024 + 16 * code, and one fma
-    (x / 16 - 64) takes it back to the code.
+    (x / 16 - 72) takes it back.
     """
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 z, t0, t1, m, lo, hi, s, o;
+        .reg .b32 z, t0, t1, m, c, lo, hi, s, o;
         mov.b32 z, 0;
         mov.b32 m, 0x64006400;
+        mov.b32 c, 0x64086408;
         mov.b32 lo, 0x000f000f;
         mov.b32 hi, 0x00f000f0;
         mov.b32 s, 0x2c002c00;
-        mov.b32 o, 0xd400d400;
+        mov.b32 o, 0xd480d480;
         prmt.b32 t0, $4, z, 0x4140;
         prmt.b32 t1, $4, z, 0x4342;
         lop3.b32 $0, t0, lo, m, 0xea;
         lop3.b32 $1, t1, lo, m, 0xea;
         lop3.b32 $2, t0, hi, m, 0xea;
         lop3.b32 $3, t1, hi, m, 0xea;
-        sub.f16x2 $0, $0, m;
-        sub.f16x2 $1, $1, m;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
         fma.rn.f16x2 $2, $2, s, o;
         fma.rn.f16x2 $3, $3, s, o;
         }""",
@@ -364,6 +367,7 @@ def _decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc_shift = tl.zeros([GROUP_PAD], tl.float32)  # sum of p * shift, the same for every column
     acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
     acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
 
@@ -401,6 +405,7 @@ def _decode_kernel(
 
         key_scale = key_scale_raw.to(tl.float32)
         key_zero = key_zero_raw.to(tl.float32)
+        key_shift = key_zero + 8 * key_scale
 
         if FAST_UNPACK:
             tile_0, tile_1 = _unpack_u4(key_bytes_0_0)
@@ -415,16 +420,16 @@ def _decode_kernel(
 
             tile = level
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            dots = _mm(query_0, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
             code = (key_bytes_0_0 >> 4) & 15
 
             level = code.to(tl.float32)
 
             tile = level
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            dots += _mm(query_1, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
 
-        scores = dots * key_scale[None, :] + query_sum[:, None] * key_zero[None, :]
+        scores = dots * key_scale[None, :] + query_sum[:, None] * key_shift[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)
@@ -437,14 +442,15 @@ def _decode_kernel(
 
         value_scale = value_scale_raw.to(tl.float32)
         value_zero = value_zero_raw.to(tl.float32)
+        value_shift = value_zero + 8 * value_scale
 
         weights = (p * value_scale[None, :]).to(DOT_DTYPE)
-        shift = tl.sum(p * value_zero[None, :], axis=1)
+        acc_shift = acc_shift * alpha + tl.sum(p * value_shift[None, :], axis=1)
         if FAST_UNPACK:
             tile_0, tile_1 = _unpack_u4(value_bytes_0_0)
 
-            acc_0 = acc_0 * alpha[:, None] + tl.dot(weights, tile_0) + shift[:, None]
-            acc_1 = acc_1 * alpha[:, None] + tl.dot(weights, tile_1) + shift[:, None]
+            acc_0 = tl.dot(weights, tile_0, acc_0 * alpha[:, None])
+            acc_1 = tl.dot(weights, tile_1, acc_1 * alpha[:, None])
         else:
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0 & 15
@@ -453,14 +459,14 @@ def _decode_kernel(
 
             tile = level
 
-            acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION) + shift[:, None]
+            acc_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
             code = (value_bytes_0_0 >> 4) & 15
 
             level = code.to(tl.float32)
 
             tile = level
 
-            acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION) + shift[:, None]
+            acc_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
 
         row = row_next
         valid = valid_next
@@ -469,6 +475,8 @@ def _decode_kernel(
         value_scale_raw = value_scale_next
         value_zero_raw = value_zero_next
 
+    acc_0 += acc_shift[:, None]
+    acc_1 += acc_shift[:, None]
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)

@@ -67,11 +67,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -230,12 +231,13 @@ def _flatten_kernel(
 
 @triton.jit
 def _unpack_u8(codes):
-    """uint8 codes -> fp16 code values: prmt writes 0x64 above each byte (1024 + code), one subtraction per pair."""
+    """uint8 codes -> fp16 code - 128 (centred, see decode): prmt writes 0x64 above each byte (1024 + code), one
+    subtraction of 1152 per pair."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 e, m;
         mov.b32 e, 0x64646464;
-        mov.b32 m, 0x64006400;
+        mov.b32 m, 0x64806480;
         prmt.b32 $0, $2, e, 0x4140;
         prmt.b32 $1, $2, e, 0x4342;
         sub.f16x2 $0, $0, m;
@@ -307,6 +309,7 @@ def _decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc_shift = tl.zeros([GROUP_PAD], tl.float32)  # sum of p * shift, the same for every column
     acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
 
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
@@ -343,6 +346,7 @@ def _decode_kernel(
 
         key_scale = key_scale_raw.to(tl.float32)
         key_zero = key_zero_raw.to(tl.float32)
+        key_shift = key_zero + 128 * key_scale
 
         if FAST_UNPACK:
             tile_0 = _unpack_u8(key_bytes_0_0)
@@ -356,9 +360,9 @@ def _decode_kernel(
 
             tile = level
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            dots = _mm(query_0, tl.trans((tile - 128).to(DOT_DTYPE)), DOT_PRECISION)
 
-        scores = dots * key_scale[None, :] + query_sum[:, None] * key_zero[None, :]
+        scores = dots * key_scale[None, :] + query_sum[:, None] * key_shift[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)
@@ -371,13 +375,14 @@ def _decode_kernel(
 
         value_scale = value_scale_raw.to(tl.float32)
         value_zero = value_zero_raw.to(tl.float32)
+        value_shift = value_zero + 128 * value_scale
 
         weights = (p * value_scale[None, :]).to(DOT_DTYPE)
-        shift = tl.sum(p * value_zero[None, :], axis=1)
+        acc_shift = acc_shift * alpha + tl.sum(p * value_shift[None, :], axis=1)
         if FAST_UNPACK:
             tile_0 = _unpack_u8(value_bytes_0_0)
 
-            acc_0 = acc_0 * alpha[:, None] + tl.dot(weights, tile_0) + shift[:, None]
+            acc_0 = tl.dot(weights, tile_0, acc_0 * alpha[:, None])
         else:
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0
@@ -386,7 +391,7 @@ def _decode_kernel(
 
             tile = level
 
-            acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION) + shift[:, None]
+            acc_0 = _mm(weights, (tile - 128).to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
 
         row = row_next
         valid = valid_next
@@ -395,6 +400,7 @@ def _decode_kernel(
         value_scale_raw = value_scale_next
         value_zero_raw = value_zero_next
 
+    acc_0 += acc_shift[:, None]
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)

@@ -73,11 +73,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -600,7 +601,7 @@ def _decode_kernel(
             zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
         code = (value_bytes_0_0 >> 2) & 3
 
         level = code.to(tl.float32)
@@ -616,7 +617,7 @@ def _decode_kernel(
             zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
-        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
         code = (value_bytes_0_0 >> 4) & 3
 
         level = code.to(tl.float32)
@@ -632,7 +633,7 @@ def _decode_kernel(
             zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
-        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
         code = (value_bytes_0_0 >> 6) & 3
 
         level = code.to(tl.float32)
@@ -648,7 +649,7 @@ def _decode_kernel(
             zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
-        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
 
         row = row_next
         valid = valid_next

@@ -87,11 +87,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -1029,7 +1030,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
         code = (value_bytes_0_0 >> 1) & 1
         code = code | ((value_bytes_1_1 & 3) << 1)
 
@@ -1042,7 +1043,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
         code = (value_bytes_0_0 >> 2) & 1
         code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
@@ -1055,7 +1056,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
         code = (value_bytes_0_0 >> 3) & 1
         code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
@@ -1068,7 +1069,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
         code = (value_bytes_0_0 >> 4) & 1
         code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
@@ -1081,7 +1082,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_4 = acc_4 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4 * alpha[:, None])
         code = (value_bytes_0_0 >> 5) & 1
         code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
@@ -1094,7 +1095,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_5 = acc_5 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5 * alpha[:, None])
         code = (value_bytes_0_0 >> 6) & 1
         code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
@@ -1107,7 +1108,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_6 = acc_6 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6 * alpha[:, None])
         code = (value_bytes_0_0 >> 7) & 1
         code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
@@ -1120,7 +1121,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_7 = acc_7 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7 * alpha[:, None])
 
         row = row_next
         valid = valid_next

@@ -87,11 +87,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -462,7 +463,7 @@ def _unpack_lut2(codes, lo, hi):
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
         args=[codes, lo, hi],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
+        is_pure=False,
         pack=4,
     )
 
@@ -638,10 +639,10 @@ def _decode_kernel(
         if FAST_UNPACK:
             tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-            acc_0 = acc_0 * alpha[:, None] + tl.dot(weights, tile_0)
-            acc_1 = acc_1 * alpha[:, None] + tl.dot(weights, tile_1)
-            acc_2 = acc_2 * alpha[:, None] + tl.dot(weights, tile_2)
-            acc_3 = acc_3 * alpha[:, None] + tl.dot(weights, tile_3)
+            acc_0 = tl.dot(weights, tile_0, acc_0 * alpha[:, None])
+            acc_1 = tl.dot(weights, tile_1, acc_1 * alpha[:, None])
+            acc_2 = tl.dot(weights, tile_2, acc_2 * alpha[:, None])
+            acc_3 = tl.dot(weights, tile_3, acc_3 * alpha[:, None])
         else:
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0 & 3
@@ -651,7 +652,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
             code = (value_bytes_0_0 >> 2) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -659,7 +660,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
             code = (value_bytes_0_0 >> 4) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -667,7 +668,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
             code = (value_bytes_0_0 >> 6) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -675,7 +676,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
 
         row = row_next
         valid = valid_next

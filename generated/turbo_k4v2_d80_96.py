@@ -94,11 +94,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -620,7 +621,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
         code = (value_bytes_0_0 >> 2) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -628,7 +629,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
         code = (value_bytes_0_0 >> 4) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -636,7 +637,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
         code = (value_bytes_0_0 >> 6) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -644,7 +645,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
 
         row = row_next
         valid = valid_next

@@ -138,11 +138,12 @@ _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with float32 accumulation; float32 operands get the precision asked for (tf32x3 or ieee)."""
+def _mm(a, b, PRECISION: tl.constexpr, acc=None):
+    """a @ b (+ acc, added by the tensor cores) with float32 accumulation; float32 operands get the precision
+    asked for (tf32x3 or ieee)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PRECISION)
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -848,7 +849,7 @@ def _unpack_lut4(codes, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3):
         constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
         args=[codes, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3],
         dtype=(tl.float16, tl.float16),
-        is_pure=True,
+        is_pure=False,
         pack=4,
     )
 
@@ -1171,8 +1172,8 @@ def _decode_kernel(
         if FAST_UNPACK:
             tile_0, tile_1 = _unpack_lut4(value_outlier_bytes_0_0, value_outlier_lut_0, value_outlier_lut_1, value_outlier_lut_2, value_outlier_lut_3, value_outlier_lut_4, value_outlier_lut_5, value_outlier_lut_6, value_outlier_lut_7)
 
-            acc_outlier_0 = acc_outlier_0 * alpha[:, None] + tl.dot(weights, tile_0)
-            acc_outlier_1 = acc_outlier_1 * alpha[:, None] + tl.dot(weights, tile_1)
+            acc_outlier_0 = tl.dot(weights, tile_0, acc_outlier_0 * alpha[:, None])
+            acc_outlier_1 = tl.dot(weights, tile_1, acc_outlier_1 * alpha[:, None])
         else:
             value_outlier_bytes_0_0 = value_outlier_bytes_0_0.to(tl.int32)
             code = value_outlier_bytes_0_0 & 15
@@ -1194,7 +1195,7 @@ def _decode_kernel(
             lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
             tile = lut_3_0
 
-            acc_outlier_0 = acc_outlier_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_outlier_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_outlier_0 * alpha[:, None])
             code = (value_outlier_bytes_0_0 >> 4) & 15
 
             lut_0_0 = tl.where((code & 1) != 0, value_outlier_c1, value_outlier_c0)
@@ -1214,7 +1215,7 @@ def _decode_kernel(
             lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
             tile = lut_3_0
 
-            acc_outlier_1 = acc_outlier_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+            acc_outlier_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_outlier_1 * alpha[:, None])
 
         # value
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (VALUE_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None] & value_in[None, :], other=0).to(tl.int32)
@@ -1229,7 +1230,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_0 = acc_0 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
         code = (value_bytes_0_0 >> 2) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -1237,7 +1238,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_1 = acc_1 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
         code = (value_bytes_0_0 >> 4) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -1245,7 +1246,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_2 = acc_2 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
         code = (value_bytes_0_0 >> 6) & 3
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -1253,7 +1254,7 @@ def _decode_kernel(
         lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
         tile = lut_1_0
 
-        acc_3 = acc_3 * alpha[:, None] + _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION)
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
 
         row = row_next
         valid = valid_next

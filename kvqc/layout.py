@@ -187,6 +187,13 @@ class SideLayout:
         return "zero" if self.scheme.scale.kind == "minmax" and not (self.group_size or self.per_channel) else None
 
     @property
+    def code_mid(self) -> int:
+        """The code decode subtracts before its dot products where a row shift follows (0 elsewhere): centred
+        codes keep the tensor cores' float32 accumulator near the size of the output instead of carrying
+        2**(bits - 1) * scale per token, which the shift would only cancel at the end."""
+        return 2 ** (self.scheme.codebook.bits - 1) if self.row_shift else 0
+
+    @property
     def level_top(self) -> int:
         """A symmetric grid's largest level: codes 0..2*top hold levels -top..top."""
         return 2 ** (self.scheme.codebook.bits - 1) - 1

@@ -87,7 +87,7 @@ _FLATTEN_BLOCK_T = 64
 # ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
 _ROTATION_BLOCK = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
 _DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 4, 16, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
@@ -866,8 +866,10 @@ class KVCache:
     """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
 
     key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
-    key_meta:  model dtype, last dim 2: norm, residual_rms    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
-    value_meta:  model dtype, last dim 1: norm    """
+    key_meta:  model dtype, last dim 2: norm, residual_rms
+    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
+    value_meta:  model dtype, last dim 1: norm
+    """
 
     key_codes: torch.Tensor
     key_meta: torch.Tensor
@@ -1075,7 +1077,7 @@ def decode(
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
-    block_n, num_warps, num_stages, splits_per_sm, max_splits = _decode_config(head_dim)
+    block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, triton.cdiv(_target_programs(cache.device, splits_per_sm), batch * cache.num_kv_heads)))
     tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
     num_splits = triton.cdiv(capacity, tokens_per_split)
@@ -1119,6 +1121,7 @@ def decode(
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         num_warps=num_warps,
         num_stages=num_stages,
+        maxnreg=register_cap[0] if register_cap else None,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
@@ -1140,7 +1143,8 @@ def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q
 
 
 def _decode_config(head_dim: int) -> tuple:
-    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits) for decode at this head_dim."""
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
+    head_dim."""
     if head_dim in _DECODE_CONFIGS:
         return _DECODE_CONFIGS[head_dim]
     block_n, *rest = _DECODE_DEFAULT

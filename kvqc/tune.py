@@ -28,7 +28,8 @@ SCHEMES = ("turbo_k4v2", "int4_token", "int8_token", "fp8_e4m3", "turbo_k4mse_v2
 HEAD_DIMS = (128, 64)
 CONTEXTS = (8192, 32768)
 BATCHES = (1, 8, 32)
-# (BLOCK_N, num_warps, num_stages): 8 warps and 64-token tiles on 4 warps lost on an H200 (docs/benchmarks.md).
+# (BLOCK_N, num_warps, num_stages[, register cap]): 8 warps and 64-token tiles on 4 warps lost on an H200
+# (docs/benchmarks.md). A cap on registers per thread (ptxas maxnreg) trades spills for resident warps.
 TILES = ((128, 4, 3), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 1, 3))
 # (split programs per SM, most splits per sequence)
 SPLITS = ((8, 64), (4, 64), (16, 64), (16, 128))
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS))
     parser.add_argument("--context", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
-    parser.add_argument("--tiles", nargs="+", metavar="BN,WARPS,STAGES",
+    parser.add_argument("--tiles", nargs="+", metavar="BN,WARPS,STAGES[,MAXNREG]",
                         help="tile settings to sweep (default: " + " ".join(",".join(map(str, t)) for t in TILES) + ")")
     parser.add_argument("--splits", nargs="+", metavar="PER_SM,MOST",
                         help="split settings to sweep (default: " + " ".join(",".join(map(str, t)) for t in SPLITS) + ")")
@@ -56,11 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="put the best variants into templates/decode_tuning.json (then run `kvqc build`)")
 
 
-def variants() -> list[tuple[int, int, int, int, int]]:
+def config(tile: tuple, split: tuple) -> tuple:
+    """A module's decode setting: (BLOCK_N, num_warps, num_stages, splits per SM, most splits[, register cap])."""
+    return tuple(tile[:3]) + tuple(split) + tuple(tile[3:])
+
+
+def variants() -> list[tuple[int, ...]]:
     out = [DEFAULT]
     for tile, split in itertools.product(TILES, SPLITS):
-        if tile + split != DEFAULT:
-            out.append(tile + split)
+        if config(tile, split) != DEFAULT:
+            out.append(config(tile, split))
     return out
 
 
@@ -104,7 +110,7 @@ def _compile_task(task) -> tuple[str, int, tuple, int, str]:
     for b, n in grid:
         cache, block_tables, seq_lens, query = _setup(module, b, n, head_dim, seed=0)
         for split in splits:
-            _use(module, head_dim, tuple(tile) + split)
+            _use(module, head_dim, config(tile, split))
             try:
                 module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0]))
             except Exception as exc:  # reported by the timing pass too
@@ -222,7 +228,7 @@ def best(rows: list[dict], candidates) -> tuple[tuple, float, dict]:
 
 
 def fmt_variant(v) -> str:
-    return f"BN{v[0]} W{v[1]} S{v[2]} spm{v[3]} max{v[4]}"
+    return f"BN{v[0]} W{v[1]} S{v[2]} spm{v[3]} max{v[4]}" + (f" reg{v[5]}" if len(v) > 5 else "")
 
 
 def write_table(path: Path, winners: dict, header: dict) -> None:

@@ -21,6 +21,35 @@ def test_variants_start_with_the_default_once():
     assert got[0] == tune.DEFAULT and got.count(tune.DEFAULT) == 1 and len(set(got)) == len(got)
 
 
+def test_a_register_cap_goes_last_in_the_setting(monkeypatch):
+    monkeypatch.setattr(tune, "TILES", ((32, 1, 2), (32, 1, 2, 168)))
+    monkeypatch.setattr(tune, "SPLITS", ((16, 128),))
+    got = tune.variants()
+    assert (32, 1, 2, 16, 128) in got and (32, 1, 2, 16, 128, 168) in got
+    assert tune.fmt_variant((32, 1, 2, 16, 128, 168)).endswith(" reg168")
+
+
+def test_decode_takes_a_setting_with_a_register_cap(monkeypatch):
+    """The sixth field reaches the launch as maxnreg (dropped by the interpreter, compiled on a GPU)."""
+    import torch
+    from conftest import DEVICE, generated
+
+    m = generated("int4_token")
+    monkeypatch.setattr(m, "_DECODE_CONFIGS", {128: (32, 1, 2, 16, 128, 168)})
+    g = torch.Generator().manual_seed(3)
+    n, bs = 70, 16
+    cache = m.allocate_cache(5, bs, 1, 128, device=DEVICE)
+    slots = torch.arange(n, device=DEVICE)
+    key, value = (torch.randn(n, 1, 128, generator=g).half().to(DEVICE) for _ in range(2))
+    m.fill(cache, key, value, slots)
+    tables = torch.arange(5, dtype=torch.int32, device=DEVICE)[None]
+    seq_lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(1, 4, 128, generator=g).half().to(DEVICE)
+    out = m.decode(query, cache, tables, seq_lens)
+    want = m.reference.decode(query, cache, tables, seq_lens)
+    assert float((out.float() - want.float()).norm() / want.float().norm()) < 2e-3
+
+
 def test_best_takes_the_geometric_mean_and_skips_wrong_variants():
     fast, wrong, close = (32, 1, 3, 16, 128), (16, 1, 3, 8, 64), (64, 2, 3, 8, 64)
     data = rows({tune.DEFAULT: {1: 1.0, 8: 1.0}, fast: {1: 0.5, 8: 1.0}, wrong: {1: 0.1, 8: None},

@@ -341,11 +341,12 @@ def _decode_kernel(
         position += BLOCK_N
         block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
         key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
 
         key_scale = key_scale_raw.to(tl.float32)
         key_zero = key_zero_raw.to(tl.float32)
+        # The dots take code - 128, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
         key_shift = key_zero + 128 * key_scale
 
         if FAST_UNPACK:
@@ -370,11 +371,12 @@ def _decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
 
-        # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
 
         value_scale = value_scale_raw.to(tl.float32)
         value_zero = value_zero_raw.to(tl.float32)
+        # The dots take code - 128, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
         value_shift = value_zero + 128 * value_scale
 
         weights = (p * value_scale[None, :]).to(DOT_DTYPE)

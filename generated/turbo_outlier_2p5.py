@@ -1061,7 +1061,7 @@ def _decode_kernel(
         position += BLOCK_N
         block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row], summed over the parts
+        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row], summed over the parts
         # key_outlier
         key_outlier_bytes_0_0 = tl.load(key_outlier_codes_ptr + row[:, None] * (KEY_OUTLIER_DIM * 4 // 8) + key_outlier_chunk[None, :], mask=valid[:, None], other=0)
 
@@ -1162,7 +1162,7 @@ def _decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
 
-        # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         # value_outlier
         value_outlier_bytes_0_0 = tl.load(value_outlier_codes_ptr + row[:, None] * (VALUE_OUTLIER_DIM * 4 // 8) + value_outlier_chunk[None, :], mask=valid[:, None], other=0)
 

@@ -1164,7 +1164,7 @@ def _decode_kernel(
         position += BLOCK_N
         block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ zero * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
         key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -1288,7 +1288,7 @@ def _decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
 
-        # acc += (p * norm) @ tile [+ sum(p * zero)] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
         value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)

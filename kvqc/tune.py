@@ -1,6 +1,7 @@
 """`kvqc tune`: sweep decode's launch settings per scheme and head_dim on this GPU, print the best, --write them.
 
-Each variant is (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per sequence). For every scheme,
+Each variant is (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per sequence[, a cap on
+registers per thread, ptxas' maxnreg]). For every scheme,
 head_dim and shape the default variant runs first; every other variant's output is checked against it (relative L2
 error) before it is timed, and a variant that disagrees anywhere is out. Times are one decode call's share of a
 CUDA graph that replays one call per cache copy (copies together exceed 4x L2), so the wrapper's host work does not
@@ -249,9 +250,33 @@ def write_table(path: Path, winners: dict, header: dict) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def parse_settings(texts: list[str], flag: str, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """--tiles / --splits values as integer tuples; a wrong one raises ValueError naming the flag and the form."""
+    out = []
+    for text in texts:
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) not in sizes or min(values) <= 0:
+            form = {"--tiles": "BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG", "--splits": "PER_SM,MOST"}[flag]
+            raise ValueError(f"{flag}: {text!r} is not {form} (positive integers)")
+        out.append(values)
+    return tuple(out)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    global TILES, SPLITS
+    try:
+        if args.tiles:
+            TILES = parse_settings(args.tiles, "--tiles", (3, 4))
+        if args.splits:
+            SPLITS = parse_settings(args.splits, "--splits", (2,))
+    except ValueError as exc:
+        print(f"kvqc tune: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("kvqc tune: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -260,11 +285,6 @@ def run(args: argparse.Namespace) -> int:
     from .codegen import DECODE_TUNING
     from .modules import load
 
-    global TILES, SPLITS
-    if args.tiles:
-        TILES = tuple(tuple(int(x) for x in t.split(",")) for t in args.tiles)
-    if args.splits:
-        SPLITS = tuple(tuple(int(x) for x in t.split(",")) for t in args.splits)
     names = args.schemes or list(SCHEMES)
     grid = shapes(args.batch, args.context)
     candidates = variants()

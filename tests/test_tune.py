@@ -29,13 +29,28 @@ def test_a_register_cap_goes_last_in_the_setting(monkeypatch):
     assert tune.fmt_variant((32, 1, 2, 16, 128, 168)).endswith(" reg168")
 
 
+class LaunchSpy:
+    """Stands in for a kernel: records each launch's keywords, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def test_decode_takes_a_setting_with_a_register_cap(monkeypatch):
-    """The sixth field reaches the launch as maxnreg (dropped by the interpreter, compiled on a GPU)."""
+    """The sixth field reaches the launch as maxnreg (the interpreter drops it; a GPU compiles with it)."""
     import torch
     from conftest import DEVICE, generated
 
     m = generated("int4_token")
     monkeypatch.setattr(m, "_DECODE_CONFIGS", {128: (32, 1, 2, 16, 128, 168)})
+    spy = LaunchSpy(m._decode_kernel)
+    monkeypatch.setattr(m, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(3)
     n, bs = 70, 16
     cache = m.allocate_cache(5, bs, 1, 128, device=DEVICE)
@@ -48,6 +63,22 @@ def test_decode_takes_a_setting_with_a_register_cap(monkeypatch):
     out = m.decode(query, cache, tables, seq_lens)
     want = m.reference.decode(query, cache, tables, seq_lens)
     assert float((out.float() - want.float()).norm() / want.float().norm()) < 2e-3
+    assert [launch["maxnreg"] for launch in spy.launches] == [168]
+    monkeypatch.setattr(m, "_DECODE_CONFIGS", {128: (32, 1, 2, 16, 128)})
+    m.decode(query, cache, tables, seq_lens)
+    assert spy.launches[-1]["maxnreg"] is None
+
+
+def test_settings_with_the_wrong_shape_are_refused_in_one_line(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    assert tune.parse_settings(["32,1,2", "32,1,2,168"], "--tiles", (3, 4)) == ((32, 1, 2), (32, 1, 2, 168))
+    assert tune.run(parser.parse_args(["--tiles", "32,1"])) == 2
+    assert capsys.readouterr().err == "kvqc tune: --tiles: '32,1' is not BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG (positive integers)\n"
+    assert tune.run(parser.parse_args(["--splits", "16,x"])) == 2
+    assert "--splits: '16,x' is not PER_SM,MOST" in capsys.readouterr().err
 
 
 def test_best_takes_the_geometric_mean_and_skips_wrong_variants():

@@ -250,8 +250,10 @@ def write_table(path: Path, winners: dict, header: dict) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def parse_settings(texts: list[str], flag: str, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """--tiles / --splits values as integer tuples; a wrong one raises ValueError naming the flag and the form."""
+def parse_settings(texts: list[str], flag: str, forms: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """--tiles / --splits values as integer tuples with as many fields as one of `forms`; a wrong one raises
+    ValueError naming the flag and the forms."""
+    sizes = {form.count(",") + 1 for form in forms}
     out = []
     for text in texts:
         try:
@@ -259,8 +261,7 @@ def parse_settings(texts: list[str], flag: str, sizes: tuple[int, ...]) -> tuple
         except ValueError:
             values = ()
         if len(values) not in sizes or min(values) <= 0:
-            form = {"--tiles": "BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG", "--splits": "PER_SM,MOST"}[flag]
-            raise ValueError(f"{flag}: {text!r} is not {form} (positive integers)")
+            raise ValueError(f"{flag}: {text!r} is not {' or '.join(forms)} (positive integers)")
         out.append(values)
     return tuple(out)
 
@@ -271,9 +272,9 @@ def run(args: argparse.Namespace) -> int:
     global TILES, SPLITS
     try:
         if args.tiles:
-            TILES = parse_settings(args.tiles, "--tiles", (3, 4))
+            TILES = parse_settings(args.tiles, "--tiles", ("BN,WARPS,STAGES", "BN,WARPS,STAGES,MAXNREG"))
         if args.splits:
-            SPLITS = parse_settings(args.splits, "--splits", (2,))
+            SPLITS = parse_settings(args.splits, "--splits", ("PER_SM,MOST",))
     except ValueError as exc:
         print(f"kvqc tune: {exc}", file=sys.stderr)
         return 2

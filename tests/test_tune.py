@@ -74,7 +74,8 @@ def test_settings_with_the_wrong_shape_are_refused_in_one_line(capsys):
 
     parser = argparse.ArgumentParser()
     tune.add_arguments(parser)
-    assert tune.parse_settings(["32,1,2", "32,1,2,168"], "--tiles", (3, 4)) == ((32, 1, 2), (32, 1, 2, 168))
+    forms = ("BN,WARPS,STAGES", "BN,WARPS,STAGES,MAXNREG")
+    assert tune.parse_settings(["32,1,2", "32,1,2,168"], "--tiles", forms) == ((32, 1, 2), (32, 1, 2, 168))
     assert tune.run(parser.parse_args(["--tiles", "32,1"])) == 2
     assert capsys.readouterr().err == "kvqc tune: --tiles: '32,1' is not BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG (positive integers)\n"
     assert tune.run(parser.parse_args(["--splits", "16,x"])) == 2

@@ -52,7 +52,8 @@ VALUE_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole
 
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products.
+# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
+# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64

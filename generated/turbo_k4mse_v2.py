@@ -66,13 +66,16 @@ _VALUE_CENTROIDS = {
 
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products.
+# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
+# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
-_ROTATION_BLOCK = 64
+# ... and apply it this many input (fill) or output (flatten) columns at a time. H100, turbo_k4v2, head_dim 128,
+# batch 8 x 32k: flatten took 1.378 ms at 64 and 1.268 at 128 columns, fill 0.373 at 64 and 0.407 at 128.
+_FILL_IN_BLOCK = 64
+_FLATTEN_IN_BLOCK = 128
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
 _DECODE_CONFIGS = {64: (32, 1, 2, 32, 256), 128: (32, 1, 3, 16, 128)}
@@ -132,20 +135,40 @@ def _fill_kernel(
     row = slot * NUM_KV_HEADS + head
 
     # key
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
-    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
-    x_0 = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-    x_1 = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(0, HEAD_DIM, IN_BLOCK):
-        x = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+    # Into position order by H_2 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+    parity = key_chunk[:, None] & key_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    if key_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times +-1 are exact products as they stand: one dot.
+        x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_0 = tl.dot(x * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
+        x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_1 = tl.dot(x * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+        x_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_1 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.max(tl.abs(x_1), axis=1))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        x = x_0 * spread[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+        x = x_1 * spread[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_1 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    twin = x_0 - x_1
+    x_0 = x_0 + x_1
+    x_1 = twin
+
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -206,26 +229,65 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 1 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
     # value
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
-    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
-    x_0 = tl.zeros([BLOCK_T, VALUE_CHUNK], tl.float32)
-    x_1 = tl.zeros([BLOCK_T, VALUE_CHUNK], tl.float32)
-    x_2 = tl.zeros([BLOCK_T, VALUE_CHUNK], tl.float32)
-    x_3 = tl.zeros([BLOCK_T, VALUE_CHUNK], tl.float32)
-    for k in tl.static_range(0, HEAD_DIM, IN_BLOCK):
-        x = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_2 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        x_3 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+    # Into position order by H_4 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+    parity = value_chunk[:, None] & value_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    if value_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times +-1 are exact products as they stand: one dot.
+        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_0 = tl.dot(x * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
+        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_1 = tl.dot(x * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_2 = tl.dot(x * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+        x_3 = tl.dot(x * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+        x_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_2 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_3 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.maximum(tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        x = x_0 * spread[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+        x = x_1 * spread[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_1 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+        x = x_2 * spread[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_2 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+        x = x_3 * spread[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        x_3 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    twin = x_0 - x_1
+    x_0 = x_0 + x_1
+    x_1 = twin
+    twin = x_2 - x_3
+    x_2 = x_2 + x_3
+    x_3 = twin
+    twin = x_0 - x_2
+    x_0 = x_0 + x_2
+    x_2 = twin
+    twin = x_1 - x_3
+    x_1 = x_1 + x_3
+    x_3 = twin
+
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
+    x_2 = x_2 * largest[:, None]
+    x_3 = x_3 * largest[:, None]
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -370,13 +432,40 @@ def _flatten_kernel(
 
     tile_1 = tile * key_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
-    for k in tl.static_range(0, HEAD_DIM, IN_BLOCK):
-        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out = _mm(tile_0, matrix, DOT_PRECISION)
-        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out += _mm(tile_1, matrix, DOT_PRECISION)
-        tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None])
+    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    parity = key_chunk[:, None] & key_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+    spread = 1.0 / tl.maximum(largest, 1e-30)
+    tile = tile_0 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_0 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+    tile = tile_1 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_1 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+    twin = tile_0 - tile_1
+    tile_0 = tile_0 + tile_1
+    tile_1 = twin
+
+    largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+    tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+
+    tl.store(
+        key_out_ptr + out_row[:, None] * HEAD_DIM + key_chunk[None, :],
+        tile_0.to(key_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
+    tl.store(
+        key_out_ptr + out_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+        tile_1.to(key_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
 
     # value
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -424,17 +513,69 @@ def _flatten_kernel(
 
     tile_3 = tile * value_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
-    for k in tl.static_range(0, HEAD_DIM, IN_BLOCK):
-        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out = _mm(tile_0, matrix, DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out += _mm(tile_1, matrix, DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out += _mm(tile_2, matrix, DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK + value_chunk[:, None]) * HEAD_DIM + k + dim[None, :])
-        out += _mm(tile_3, matrix, DOT_PRECISION)
-        tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None])
+    # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    parity = value_chunk[:, None] & value_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+    spread = 1.0 / tl.maximum(largest, 1e-30)
+    tile = tile_0 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_0 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    tile = tile_1 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_1 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    tile = tile_2 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_2 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    tile = tile_3 * spread[:, None]
+    hi = tile.to(tl.float16)
+    lo = (tile - hi.to(tl.float32)).to(tl.float16)
+    tile_3 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    twin = tile_0 - tile_1
+    tile_0 = tile_0 + tile_1
+    tile_1 = twin
+    twin = tile_2 - tile_3
+    tile_2 = tile_2 + tile_3
+    tile_3 = twin
+    twin = tile_0 - tile_2
+    tile_0 = tile_0 + tile_2
+    tile_2 = twin
+    twin = tile_1 - tile_3
+    tile_1 = tile_1 + tile_3
+    tile_3 = twin
+
+    largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+    tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+    tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+    tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+
+    tl.store(
+        value_out_ptr + out_row[:, None] * HEAD_DIM + value_chunk[None, :],
+        tile_0.to(value_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
+    tl.store(
+        value_out_ptr + out_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
+        tile_1.to(value_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
+    tl.store(
+        value_out_ptr + out_row[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
+        tile_2.to(value_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
+    tl.store(
+        value_out_ptr + out_row[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
+        tile_3.to(value_out_ptr.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
 
 
 @triton.jit
@@ -842,9 +983,12 @@ def _tables(head_dim: int, device: torch.device) -> dict:
 
     # key
     order = torch.arange(d)
-    rotation = _hadamard(d) / math.sqrt(d)
-    # Row p maps an input vector to the value stored at position p.
-    tables["key_matrix"] = rotation[order].to(device, torch.float32).contiguous()
+    signed = _hadamard(d)
+    # Row p maps an input vector to the value stored at position p. The kernels take its entries as -1, 0, 1 in
+    # fp16 (exact; they multiply by 1/sqrt(d) themselves), torch's products here the float32 rotation.
+    matrix = signed[order]
+    tables["key_matrix"] = matrix.to(device, torch.float16).contiguous()
+    tables["key_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
@@ -852,9 +996,12 @@ def _tables(head_dim: int, device: torch.device) -> dict:
 
     # value
     order = torch.arange(d)
-    rotation = _hadamard(d) / math.sqrt(d)
-    # Row p maps an input vector to the value stored at position p.
-    tables["value_matrix"] = rotation[order].to(device, torch.float32).contiguous()
+    signed = _hadamard(d)
+    # Row p maps an input vector to the value stored at position p. The kernels take its entries as -1, 0, 1 in
+    # fp16 (exact; they multiply by 1/sqrt(d) themselves), torch's products here the float32 rotation.
+    matrix = signed[order]
+    tables["value_matrix"] = matrix.to(device, torch.float16).contiguous()
+    tables["value_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
@@ -989,7 +1136,7 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
+        IN_BLOCK=min(_FILL_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
 
@@ -1043,7 +1190,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
+        IN_BLOCK=min(_FLATTEN_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
     return key, value
@@ -1081,7 +1228,7 @@ def decode(
     group = num_q_heads // cache.num_kv_heads
 
     q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    q = q @ tables["key_matrix"].t()  # rotated once, in position order
+    q = q @ tables["key_rotation"].t()  # rotated once, in position order
     q = q.contiguous()
 
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
@@ -1138,7 +1285,7 @@ def decode(
         tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
     )
     out = reduce(partial_out)
-    out = out @ tables["value_matrix"]  # back to the input basis, once
+    out = out @ tables["value_rotation"]  # back to the input basis, once
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 

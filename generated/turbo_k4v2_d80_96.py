@@ -77,13 +77,16 @@ _VALUE_CENTROIDS = {
 
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products.
+# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
+# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# ... and apply it 64 input columns at a time: at head_dim 256 a whole float32 chunk overflows shared memory.
-_ROTATION_BLOCK = 64
+# ... and apply it this many input (fill) or output (flatten) columns at a time. H100, turbo_k4v2, head_dim 128,
+# batch 8 x 32k: flatten took 1.378 ms at 64 and 1.268 at 128 columns, fill 0.373 at 64 and 0.407 at 128.
+_FILL_IN_BLOCK = 64
+_FLATTEN_IN_BLOCK = 128
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
 _DECODE_CONFIGS = {}
@@ -148,20 +151,34 @@ def _fill_kernel(
     row = slot * NUM_KV_HEADS + head
 
     # key
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
-    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
+    # Into position order by the -1/0/1 matrix (macros/rotate.j2), IN_BLOCK input columns at a time.
     x_0 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
     x_1 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
-    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-        x = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :],
-            mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
-            other=0.0,
-        ).to(tl.float32)
-        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+    if key_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times -1/0/1 are exact products as they stand: one dot.
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0)
+            x_0 = tl.dot(x, tl.trans(tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_0)
+            x_1 = tl.dot(x, tl.trans(tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_1)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: a first pass finds each row's largest magnitude, the second takes its fp16 halves.
+        largest = tl.zeros([BLOCK_T], tl.float32)
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            largest = tl.maximum(largest, tl.max(tl.abs(x), axis=1))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * spread[:, None]
+            hi = x.to(tl.float16)
+            lo = (x - hi.to(tl.float32)).to(tl.float16)
+            matrix = tl.trans(tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
+            matrix = tl.trans(tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_1 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_1))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -231,26 +248,44 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 1, residual_rms.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
     # value
-    # Into position order: the rotation and the packing's permutation are one matrix, applied per chunk of rows and
-    # IN_BLOCK input columns at a time (a whole float32 chunk of a 256 x 256 matrix overflows shared memory).
+    # Into position order by the -1/0/1 matrix (macros/rotate.j2), IN_BLOCK input columns at a time.
     x_0 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
     x_1 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
     x_2 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
     x_3 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
-    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-        x = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :],
-            mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
-            other=0.0,
-        ).to(tl.float32)
-        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_0 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_1 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_2 += _mm(x, tl.trans(matrix), DOT_PRECISION)
-        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        x_3 += _mm(x, tl.trans(matrix), DOT_PRECISION)
+    if value_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times -1/0/1 are exact products as they stand: one dot.
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0)
+            x_0 = tl.dot(x, tl.trans(tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_0)
+            x_1 = tl.dot(x, tl.trans(tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_1)
+            x_2 = tl.dot(x, tl.trans(tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_2)
+            x_3 = tl.dot(x, tl.trans(tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])), x_3)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: a first pass finds each row's largest magnitude, the second takes its fp16 halves.
+        largest = tl.zeros([BLOCK_T], tl.float32)
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            largest = tl.maximum(largest, tl.max(tl.abs(x), axis=1))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + k + dim[None, :], mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * spread[:, None]
+            hi = x.to(tl.float16)
+            lo = (x - hi.to(tl.float32)).to(tl.float16)
+            matrix = tl.trans(tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
+            matrix = tl.trans(tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_1 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_1))
+            matrix = tl.trans(tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_2 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_2))
+            matrix = tl.trans(tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]))
+            x_3 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_3))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
+    x_2 = x_2 * largest[:, None]
+    x_3 = x_3 * largest[:, None]
 
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
@@ -383,12 +418,23 @@ def _flatten_kernel(
 
     tile_1 = tile * key_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
+    # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
+    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+    spread = 1.0 / tl.maximum(largest, 1e-30)
+    tile = tile_0 * spread[:, None]
+    hi_0 = tile.to(tl.float16)
+    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+    tile = tile_1 * spread[:, None]
+    hi_1 = tile.to(tl.float16)
+    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+    largest = largest * (1.0 / HEAD_DIM ** 0.5)
     for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
         matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out = _mm(tile_0, matrix, DOT_PRECISION)
+        out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
         matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out += _mm(tile_1, matrix, DOT_PRECISION)
+        out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
+        out = out * largest[:, None]
         tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < HEAD_DIM))
 
     # value
@@ -437,16 +483,33 @@ def _flatten_kernel(
 
     tile_3 = tile * value_norm[:, None]
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], IN_BLOCK columns at a time.
+    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
+    # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
+    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+    spread = 1.0 / tl.maximum(largest, 1e-30)
+    tile = tile_0 * spread[:, None]
+    hi_0 = tile.to(tl.float16)
+    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+    tile = tile_1 * spread[:, None]
+    hi_1 = tile.to(tl.float16)
+    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+    tile = tile_2 * spread[:, None]
+    hi_2 = tile.to(tl.float16)
+    lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+    tile = tile_3 * spread[:, None]
+    hi_3 = tile.to(tl.float16)
+    lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+    largest = largest * (1.0 / HEAD_DIM ** 0.5)
     for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
         matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out = _mm(tile_0, matrix, DOT_PRECISION)
+        out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
         matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out += _mm(tile_1, matrix, DOT_PRECISION)
+        out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
         matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out += _mm(tile_2, matrix, DOT_PRECISION)
+        out = tl.dot(lo_2, matrix, tl.dot(hi_2, matrix, out))
         matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        out += _mm(tile_3, matrix, DOT_PRECISION)
+        out = tl.dot(lo_3, matrix, tl.dot(hi_3, matrix, out))
+        out = out * largest[:, None]
         tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < HEAD_DIM))
 
 
@@ -766,11 +829,13 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     width = triton.next_power_of_2(d)
     positions = _padded_positions(d, 2)
     tables["key_positions"] = positions.to(device)
-    rotation = _hadamard(d) / math.sqrt(d)
-    # Row p maps an input vector to the value stored at position p.
+    signed = _hadamard(d)
+    # Row p maps an input vector to the value stored at position p. The kernels take its entries as -1, 0, 1 in
+    # fp16 (exact; they multiply by 1/sqrt(d) themselves), torch's products here the float32 rotation.
     matrix = torch.zeros(width, width, dtype=torch.float64)  # padding rows and input columns stay zero
-    matrix[positions, :d] = rotation[order]
-    tables["key_matrix"] = matrix.to(device, torch.float32).contiguous()
+    matrix[positions, :d] = signed[order]
+    tables["key_matrix"] = matrix.to(device, torch.float16).contiguous()
+    tables["key_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
@@ -780,11 +845,13 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     width = triton.next_power_of_2(d)
     positions = _padded_positions(d, 4)
     tables["value_positions"] = positions.to(device)
-    rotation = _hadamard(d) / math.sqrt(d)
-    # Row p maps an input vector to the value stored at position p.
+    signed = _hadamard(d)
+    # Row p maps an input vector to the value stored at position p. The kernels take its entries as -1, 0, 1 in
+    # fp16 (exact; they multiply by 1/sqrt(d) themselves), torch's products here the float32 rotation.
     matrix = torch.zeros(width, width, dtype=torch.float64)  # padding rows and input columns stay zero
-    matrix[positions, :d] = rotation[order]
-    tables["value_matrix"] = matrix.to(device, torch.float32).contiguous()
+    matrix[positions, :d] = signed[order]
+    tables["value_matrix"] = matrix.to(device, torch.float16).contiguous()
+    tables["value_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
@@ -919,7 +986,7 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         HEAD_DIM=cache.head_dim,
         HEAD_PAD=triton.next_power_of_2(cache.head_dim),
         BLOCK_T=_FILL_BLOCK_T,
-        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
+        IN_BLOCK=min(_FILL_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
 
@@ -974,7 +1041,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         HEAD_PAD=triton.next_power_of_2(cache.head_dim),
         BLOCK_SIZE=cache.block_size,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        IN_BLOCK=min(_ROTATION_BLOCK, triton.next_power_of_2(cache.head_dim)),
+        IN_BLOCK=min(_FLATTEN_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
     return key, value
@@ -1013,7 +1080,7 @@ def decode(
 
     q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
     width = triton.next_power_of_2(head_dim)  # position space: each chunk padded to a power of two
-    q = torch.nn.functional.pad(q, (0, width - head_dim)) @ tables["key_matrix"].t()  # rotated once, in position order
+    q = torch.nn.functional.pad(q, (0, width - head_dim)) @ tables["key_rotation"].t()  # rotated once, in position order
     q = q.contiguous()
 
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
@@ -1068,7 +1135,7 @@ def decode(
         tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
     )
     out = reduce(partial_out)
-    out = out @ tables["value_matrix"]  # back to the input basis, once
+    out = out @ tables["value_rotation"]  # back to the input basis, once
     out = out[:, :head_dim]
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 

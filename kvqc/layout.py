@@ -247,6 +247,14 @@ class SideLayout:
         """Kernels move between the input basis and position order with one d x d matrix."""
         return self.rotated or self.permuted
 
+    @property
+    def hadamard_blocks(self) -> bool:
+        """Fill and flatten rotate chunk by chunk: Sylvester's H_d is H_(chunks) (x) H_(chunk) over (chunk, column)
+        when positions are in coordinate order, so each chunk takes one chunk x chunk dot and the chunks combine by
+        butterflies. Needs chunks of 16 columns or more at every head_dim (tl.dot's smallest K)."""
+        return (self.rotated and not self.permuted and not self.padded and not self.split
+                and all(d // self.chunks >= 16 for d in self.head_dims))
+
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
         return rotation.sign_vector(self.part_dim(head_dim), r.seed) if r.kind == "hadamard" and r.signs else None

@@ -73,13 +73,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
 # projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
-# Fill and flatten read a d x d matrix per program for rotated schemes: 64 tokens a program amortize it.
+# Tokens per fill and flatten program: on an H100 (turbo_k4v2, head_dim 128) 32, 16 and 128 were 1.5-4x slower.
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
-# ... and apply it this many input (fill) or output (flatten) columns at a time. H100, turbo_k4v2, head_dim 128,
-# batch 8 x 32k: flatten took 1.378 ms at 64 and 1.268 at 128 columns, fill 0.373 at 64 and 0.407 at 128.
-_FILL_IN_BLOCK = 64
-_FLATTEN_IN_BLOCK = 128
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
 _DECODE_CONFIGS = {}
@@ -120,13 +116,11 @@ def _fill_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    dim = tl.arange(0, IN_BLOCK)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
     KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk
     key_chunk = tl.arange(0, KEY_CHUNK)
@@ -151,13 +145,13 @@ def _fill_kernel(
         largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
     else:
         # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
         largest = tl.max(tl.abs(x_0), axis=1)
         spread = 1.0 / tl.maximum(largest, 1e-30)
-        x = x_0 * spread[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_0 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+        tile = x_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
         largest = largest * (1.0 / HEAD_DIM ** 0.5)
 
     x_0 = x_0 * largest[:, None]
@@ -202,48 +196,48 @@ def _fill_kernel(
         largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
     else:
         # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_2 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_3 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_4 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_5 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_6 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        x_7 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+        x_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_2 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_3 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_4 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_5 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_6 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_7 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
         largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.maximum(tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.maximum(tl.max(tl.abs(x_3), axis=1), tl.maximum(tl.max(tl.abs(x_4), axis=1), tl.maximum(tl.max(tl.abs(x_5), axis=1), tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1))))))))
         spread = 1.0 / tl.maximum(largest, 1e-30)
-        x = x_0 * spread[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_0 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_1 * spread[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_1 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_2 * spread[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_2 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_3 * spread[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_3 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_4 * spread[:, None] * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_4 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_5 * spread[:, None] * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_5 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_6 * spread[:, None] * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_6 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
-        x = x_7 * spread[:, None] * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        x_7 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+        tile = x_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+        tile = x_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        x_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+        tile = x_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        x_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+        tile = x_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        x_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+        tile = x_4 * spread[:, None]
+        hi_4 = tile.to(tl.float16)
+        lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+        x_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
+        tile = x_5 * spread[:, None]
+        hi_5 = tile.to(tl.float16)
+        lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+        x_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
+        tile = x_6 * spread[:, None]
+        hi_6 = tile.to(tl.float16)
+        lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+        x_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
+        tile = x_7 * spread[:, None]
+        hi_7 = tile.to(tl.float16)
+        lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+        x_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
         largest = largest * (1.0 / HEAD_DIM ** 0.5)
     twin = x_0 - x_1
     x_0 = x_0 + x_1
@@ -406,14 +400,12 @@ def _flatten_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
-    dim = tl.arange(0, IN_BLOCK)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
     KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk
     key_chunk = tl.arange(0, KEY_CHUNK)
@@ -453,9 +445,9 @@ def _flatten_kernel(
     largest = tl.max(tl.abs(tile_0), axis=1)
     spread = 1.0 / tl.maximum(largest, 1e-30)
     tile = tile_0 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_0 = tl.dot(lo, key_hadamard, tl.dot(hi, key_hadamard))
+    hi_0 = tile.to(tl.float16)
+    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+    tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
 
     largest = largest * (1.0 / HEAD_DIM ** 0.5)
     tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
@@ -603,37 +595,37 @@ def _flatten_kernel(
     largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
     spread = 1.0 / tl.maximum(largest, 1e-30)
     tile = tile_0 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_0 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_0 = tile.to(tl.float16)
+    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+    tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
     tile = tile_1 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_1 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_1 = tile.to(tl.float16)
+    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+    tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
     tile = tile_2 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_2 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_2 = tile.to(tl.float16)
+    lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+    tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
     tile = tile_3 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_3 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_3 = tile.to(tl.float16)
+    lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+    tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
     tile = tile_4 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_4 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_4 = tile.to(tl.float16)
+    lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+    tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
     tile = tile_5 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_5 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_5 = tile.to(tl.float16)
+    lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+    tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
     tile = tile_6 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_6 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_6 = tile.to(tl.float16)
+    lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+    tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
     tile = tile_7 * spread[:, None]
-    hi = tile.to(tl.float16)
-    lo = (tile - hi.to(tl.float32)).to(tl.float16)
-    tile_7 = tl.dot(lo, value_hadamard, tl.dot(hi, value_hadamard))
+    hi_7 = tile.to(tl.float16)
+    lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+    tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -1176,7 +1168,6 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        IN_BLOCK=min(_FILL_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
 
@@ -1228,7 +1219,6 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        IN_BLOCK=min(_FLATTEN_IN_BLOCK, triton.next_power_of_2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
     )
     return key, value

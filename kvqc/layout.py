@@ -255,6 +255,11 @@ class SideLayout:
         return (self.rotated and not self.permuted and not self.padded and not self.split
                 and all(d // self.chunks >= 16 for d in self.head_dims))
 
+    @property
+    def dense_matrix(self) -> bool:
+        """Fill and flatten multiply by the whole d x d matrix, IN_BLOCK columns at a time."""
+        return self.uses_matrix and not self.hadamard_blocks
+
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
         return rotation.sign_vector(self.part_dim(head_dim), r.seed) if r.kind == "hadamard" and r.signs else None
@@ -328,6 +333,11 @@ class Layout:
     def sides(self) -> tuple[SideLayout, ...]:
         """Every part of K, then of V: one set of cache tensors each."""
         return self.key_parts + self.value_parts
+
+    @property
+    def dense_matrix(self) -> bool:
+        """Some side's fill and flatten take the d x d matrix IN_BLOCK columns at a time (an IN_BLOCK argument)."""
+        return any(side.dense_matrix for side in self.sides)
 
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""

@@ -109,16 +109,11 @@ def _fill_kernel(
     row = slot * NUM_KV_HEADS + head
 
     # key
-    x_0 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x_1 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    key_input_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
+    key_input_1 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0)
+
+    x_0 = key_input_0.to(tl.float32)
+    x_1 = key_input_1.to(tl.float32)
 
     zero = tl.minimum(tl.min(x_0, axis=1), tl.min(x_1, axis=1))
     high = tl.maximum(tl.max(x_0, axis=1), tl.max(x_1, axis=1))
@@ -136,16 +131,11 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 1, zero.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
     # value
-    x_0 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x_1 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    value_input_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0)
+    value_input_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+
+    x_0 = value_input_0.to(tl.float32)
+    x_1 = value_input_1.to(tl.float32)
 
     zero = tl.minimum(tl.min(x_0, axis=1), tl.min(x_1, axis=1))
     high = tl.maximum(tl.max(x_0, axis=1), tl.max(x_1, axis=1))
@@ -200,13 +190,19 @@ def _flatten_kernel(
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
-
-    # key
-
+    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+    # per side.
     key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
     key_scale = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
     key_zero = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+
+    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+
+    value_scale = tl.load(value_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+    value_zero = tl.load(value_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+
+    # key
 
     code = key_bytes_0_0 & 15
 
@@ -236,11 +232,6 @@ def _flatten_kernel(
     )
 
     # value
-
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-
-    value_scale = tl.load(value_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-    value_zero = tl.load(value_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
     code = value_bytes_0_0 & 15
 
@@ -673,15 +664,26 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
 def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     """Dequantize each sequence's cached tokens into contiguous key, value [sum(seq_lens), num_kv_heads, head_dim].
 
-    Sequences follow one another; values are in the input basis and the cache's dtype. Reads seq_lens on the host.
+    Sequences follow one another; values are in the input basis and the cache's dtype. The output's size is
+    sum(seq_lens), so seq_lens is read on the host: given on the cache's device, that waits for the GPU; given on
+    the CPU (as engines keep it), nothing waits and one small copy takes it to the kernel.
     """
     _check_cache(cache)
-    _check_paging(cache, block_tables, seq_lens)
+    on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
+    if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
+        raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
+    _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
     lens = seq_lens.tolist()
     capacity = block_tables.shape[1] * cache.block_size
     for i, n in enumerate(lens):
         if not 0 <= n <= capacity:
             raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    # One copy carries the lengths and the output offsets (a host copy is queued behind the GPU's work, not waited for).
+    lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
+    seq_lens, cu_seq_lens = lengths[:len(lens)], lengths[len(lens):]
     if _checking(cache.device):
         _check_block_ids(cache, block_tables, seq_lens)
     total = sum(lens)
@@ -690,10 +692,6 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
     value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     if total == 0:
         return key, value
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    cu_seq_lens = torch.tensor(starts, dtype=torch.int64, device=cache.device)
     tables = _tables(cache.head_dim, cache.device)
     grid = (len(lens), triton.cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
     _flatten_kernel[grid](
@@ -882,9 +880,11 @@ def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tupl
         raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
 
 
-def _check_paging(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check_paging(
+    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
+) -> None:
     _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
-    _check_tensor("seq_lens", seq_lens, cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
     if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
         raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
 

@@ -142,6 +142,9 @@ def _fill_kernel(
     row = slot * NUM_KV_HEADS + head
 
     # key
+    key_input_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
+    key_input_1 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0)
+
     # Into position order by H_2 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
     parity = key_chunk[:, None] & key_chunk[None, :]
     parity = parity ^ (parity >> 4)
@@ -150,15 +153,13 @@ def _fill_kernel(
     key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
     if key_ptr.dtype.element_ty == tl.float16:
         # fp16 rows times +-1 are exact products as they stand: one dot.
-        x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_0 = tl.dot(x * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
-        x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_1 = tl.dot(x * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
+        x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
         largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
     else:
         # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        x_1 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+        x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
         largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.max(tl.abs(x_1), axis=1))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         tile = x_0 * spread[:, None]
@@ -198,41 +199,39 @@ def _fill_kernel(
     key_c7 = tl.load(key_centroids_ptr + 7)
 
     unit = x_0 * inverse[:, None]
-    code_0 = (unit > key_b0).to(tl.int32)
-    code_0 += (unit > key_b1).to(tl.int32)
-    code_0 += (unit > key_b2).to(tl.int32)
-    code_0 += (unit > key_b3).to(tl.int32)
-    code_0 += (unit > key_b4).to(tl.int32)
-    code_0 += (unit > key_b5).to(tl.int32)
-    code_0 += (unit > key_b6).to(tl.int32)
-
-    lut_0_0 = tl.where((code_0 & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code_0 & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code_0 & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code_0 & 1) != 0, key_c7, key_c6)
-    lut_1_0 = tl.where((code_0 & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code_0 & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code_0 & 4) != 0, lut_1_1, lut_1_0)
-    centroid = lut_2_0
+    magnitude = tl.abs(unit)
+    code_0 = tl.zeros(unit.shape, tl.int32)
+    centroid = tl.full(unit.shape, key_c4, tl.float32)
+    beyond = magnitude > key_b4
+    code_0 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c5, centroid)
+    beyond = magnitude > key_b5
+    code_0 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c6, centroid)
+    beyond = magnitude > key_b6
+    code_0 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c7, centroid)
+    upper = unit > 0
+    code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
+    centroid = tl.where(upper, centroid, -centroid)
 
     residual_0 = unit - centroid
     unit = x_1 * inverse[:, None]
-    code_1 = (unit > key_b0).to(tl.int32)
-    code_1 += (unit > key_b1).to(tl.int32)
-    code_1 += (unit > key_b2).to(tl.int32)
-    code_1 += (unit > key_b3).to(tl.int32)
-    code_1 += (unit > key_b4).to(tl.int32)
-    code_1 += (unit > key_b5).to(tl.int32)
-    code_1 += (unit > key_b6).to(tl.int32)
-
-    lut_0_0 = tl.where((code_1 & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code_1 & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code_1 & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code_1 & 1) != 0, key_c7, key_c6)
-    lut_1_0 = tl.where((code_1 & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code_1 & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code_1 & 4) != 0, lut_1_1, lut_1_0)
-    centroid = lut_2_0
+    magnitude = tl.abs(unit)
+    code_1 = tl.zeros(unit.shape, tl.int32)
+    centroid = tl.full(unit.shape, key_c4, tl.float32)
+    beyond = magnitude > key_b4
+    code_1 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c5, centroid)
+    beyond = magnitude > key_b5
+    code_1 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c6, centroid)
+    beyond = magnitude > key_b6
+    code_1 += beyond.to(tl.int32)
+    centroid = tl.where(beyond, key_c7, centroid)
+    upper = unit > 0
+    code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
+    centroid = tl.where(upper, centroid, -centroid)
 
     residual_1 = unit - centroid
     code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
@@ -245,6 +244,11 @@ def _fill_kernel(
     tl.store(key_meta_ptr + row * 2 + 1, residual_rms.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
     # value
+    value_input_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0)
+    value_input_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+    value_input_2 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+    value_input_3 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
+
     # Into position order by H_4 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
     parity = value_chunk[:, None] & value_chunk[None, :]
     parity = parity ^ (parity >> 4)
@@ -253,21 +257,17 @@ def _fill_kernel(
     value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
     if value_ptr.dtype.element_ty == tl.float16:
         # fp16 rows times +-1 are exact products as they stand: one dot.
-        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_0 = tl.dot(x * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
-        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_1 = tl.dot(x * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_2 = tl.dot(x * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0)
-        x_3 = tl.dot(x * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
+        x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_2 = tl.dot(value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_3 = tl.dot(value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
         largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
     else:
         # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-        x_1 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        x_2 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        x_3 = tl.load(value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0.0).to(tl.float32) * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+        x_1 = value_input_1.to(tl.float32) * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_2 = value_input_2.to(tl.float32) * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        x_3 = value_input_3.to(tl.float32) * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
         largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.maximum(tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         tile = x_0 * spread[:, None]
@@ -313,24 +313,36 @@ def _fill_kernel(
     value_b2 = tl.load(value_boundaries_ptr + 2)
 
     unit = x_0 * inverse[:, None]
-    code_0 = (unit > value_b0).to(tl.int32)
-    code_0 += (unit > value_b1).to(tl.int32)
-    code_0 += (unit > value_b2).to(tl.int32)
+    magnitude = tl.abs(unit)
+    code_0 = tl.zeros(unit.shape, tl.int32)
+    beyond = magnitude > value_b2
+    code_0 += beyond.to(tl.int32)
+    upper = unit > 0
+    code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
 
     unit = x_1 * inverse[:, None]
-    code_1 = (unit > value_b0).to(tl.int32)
-    code_1 += (unit > value_b1).to(tl.int32)
-    code_1 += (unit > value_b2).to(tl.int32)
+    magnitude = tl.abs(unit)
+    code_1 = tl.zeros(unit.shape, tl.int32)
+    beyond = magnitude > value_b2
+    code_1 += beyond.to(tl.int32)
+    upper = unit > 0
+    code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
 
     unit = x_2 * inverse[:, None]
-    code_2 = (unit > value_b0).to(tl.int32)
-    code_2 += (unit > value_b1).to(tl.int32)
-    code_2 += (unit > value_b2).to(tl.int32)
+    magnitude = tl.abs(unit)
+    code_2 = tl.zeros(unit.shape, tl.int32)
+    beyond = magnitude > value_b2
+    code_2 += beyond.to(tl.int32)
+    upper = unit > 0
+    code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
 
     unit = x_3 * inverse[:, None]
-    code_3 = (unit > value_b0).to(tl.int32)
-    code_3 += (unit > value_b1).to(tl.int32)
-    code_3 += (unit > value_b2).to(tl.int32)
+    magnitude = tl.abs(unit)
+    code_3 = tl.zeros(unit.shape, tl.int32)
+    beyond = magnitude > value_b2
+    code_3 += beyond.to(tl.int32)
+    upper = unit > 0
+    code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
 
     packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
@@ -381,6 +393,16 @@ def _flatten_kernel(
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
+    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+    # per side.
+    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+
+    key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+    key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+
+    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+
+    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
     # key
     key_c0 = tl.load(key_centroids_ptr + 0)
@@ -391,11 +413,6 @@ def _flatten_kernel(
     key_c5 = tl.load(key_centroids_ptr + 5)
     key_c6 = tl.load(key_centroids_ptr + 6)
     key_c7 = tl.load(key_centroids_ptr + 7)
-
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-
-    key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-    key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
     code = key_bytes_0_0 & 15
 
@@ -411,7 +428,7 @@ def _flatten_kernel(
     positive = (code & 8) != 0
     tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-    tile_0 = tile * key_norm[:, None]
+    tile_0 = tile
 
     code = (key_bytes_0_0 >> 4) & 15
 
@@ -427,7 +444,7 @@ def _flatten_kernel(
     positive = (code & 8) != 0
     tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-    tile_1 = tile * key_norm[:, None]
+    tile_1 = tile
 
     # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
     parity = key_chunk[:, None] & key_chunk[None, :]
@@ -435,21 +452,27 @@ def _flatten_kernel(
     parity = parity ^ (parity >> 2)
     parity = parity ^ (parity >> 1)
     key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-    spread = 1.0 / tl.maximum(largest, 1e-30)
-    tile = tile_0 * spread[:, None]
-    hi_0 = tile.to(tl.float16)
-    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-    tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-    tile = tile_1 * spread[:, None]
-    hi_1 = tile.to(tl.float16)
-    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-    tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+    if key_out_ptr.dtype.element_ty == tl.float32:
+        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = tile_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+        tile = tile_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+    else:
+        # The codebook's values as they stand (the row factor follows the matrix).
+        largest = tl.full([BLOCK_T], 1.0, tl.float32)
+        tile_0 = tl.dot(tile_0.to(tl.float16), key_hadamard)
+        tile_1 = tl.dot(tile_1.to(tl.float16), key_hadamard)
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
 
-    largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
     tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
     tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
 
@@ -470,10 +493,6 @@ def _flatten_kernel(
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-
-    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
-
     code = value_bytes_0_0 & 3
 
     lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -481,7 +500,7 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-    tile_0 = tile * value_norm[:, None]
+    tile_0 = tile
 
     code = (value_bytes_0_0 >> 2) & 3
 
@@ -490,7 +509,7 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-    tile_1 = tile * value_norm[:, None]
+    tile_1 = tile
 
     code = (value_bytes_0_0 >> 4) & 3
 
@@ -499,7 +518,7 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-    tile_2 = tile * value_norm[:, None]
+    tile_2 = tile
 
     code = (value_bytes_0_0 >> 6) & 3
 
@@ -508,7 +527,7 @@ def _flatten_kernel(
     lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
     tile = lut_1_0
 
-    tile_3 = tile * value_norm[:, None]
+    tile_3 = tile
 
     # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
     parity = value_chunk[:, None] & value_chunk[None, :]
@@ -516,24 +535,32 @@ def _flatten_kernel(
     parity = parity ^ (parity >> 2)
     parity = parity ^ (parity >> 1)
     value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
-    spread = 1.0 / tl.maximum(largest, 1e-30)
-    tile = tile_0 * spread[:, None]
-    hi_0 = tile.to(tl.float16)
-    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-    tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-    tile = tile_1 * spread[:, None]
-    hi_1 = tile.to(tl.float16)
-    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-    tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-    tile = tile_2 * spread[:, None]
-    hi_2 = tile.to(tl.float16)
-    lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-    tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-    tile = tile_3 * spread[:, None]
-    hi_3 = tile.to(tl.float16)
-    lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-    tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+    if value_out_ptr.dtype.element_ty == tl.float32:
+        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = tile_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+        tile = tile_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+        tile = tile_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+        tile = tile_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+    else:
+        # The codebook's values as they stand (the row factor follows the matrix).
+        largest = tl.full([BLOCK_T], 1.0, tl.float32)
+        tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+        tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+        tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+        tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -547,7 +574,7 @@ def _flatten_kernel(
     tile_1 = tile_1 + tile_3
     tile_3 = twin
 
-    largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
     tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
     tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
     tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
@@ -1125,15 +1152,26 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
 def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     """Dequantize each sequence's cached tokens into contiguous key, value [sum(seq_lens), num_kv_heads, head_dim].
 
-    Sequences follow one another; values are in the input basis and the cache's dtype. Reads seq_lens on the host.
+    Sequences follow one another; values are in the input basis and the cache's dtype. The output's size is
+    sum(seq_lens), so seq_lens is read on the host: given on the cache's device, that waits for the GPU; given on
+    the CPU (as engines keep it), nothing waits and one small copy takes it to the kernel.
     """
     _check_cache(cache)
-    _check_paging(cache, block_tables, seq_lens)
+    on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
+    if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
+        raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
+    _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
     lens = seq_lens.tolist()
     capacity = block_tables.shape[1] * cache.block_size
     for i, n in enumerate(lens):
         if not 0 <= n <= capacity:
             raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    # One copy carries the lengths and the output offsets (a host copy is queued behind the GPU's work, not waited for).
+    lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
+    seq_lens, cu_seq_lens = lengths[:len(lens)], lengths[len(lens):]
     if _checking(cache.device):
         _check_block_ids(cache, block_tables, seq_lens)
     total = sum(lens)
@@ -1142,10 +1180,6 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
     value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     if total == 0:
         return key, value
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    cu_seq_lens = torch.tensor(starts, dtype=torch.int64, device=cache.device)
     tables = _tables(cache.head_dim, cache.device)
     grid = (len(lens), triton.cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
     _flatten_kernel[grid](
@@ -1350,9 +1384,11 @@ def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tupl
         raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
 
 
-def _check_paging(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check_paging(
+    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
+) -> None:
     _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
-    _check_tensor("seq_lens", seq_lens, cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
     if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
         raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
 

@@ -260,6 +260,14 @@ class SideLayout:
         """Fill and flatten multiply by the whole d x d matrix, IN_BLOCK columns at a time."""
         return self.uses_matrix and not self.hadamard_blocks
 
+    @property
+    def factor_after_matrix(self) -> bool:
+        """Flatten applies the row factor after the matrix instead of before it (it commutes with a linear map):
+        the codebook's own values (unit-scale centroids, integer or fp8 levels) fit fp16 as they stand, so an fp16
+        or bf16 output needs no per-row rescaling before the one fp16 dot. Not with a row shift (a constant row
+        does not stay constant) nor QJL (its correction is added at full scale)."""
+        return self.uses_matrix and self.row_factor is not None and not self.row_shift and self.scheme.residual.kind != "qjl"
+
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
         return rotation.sign_vector(self.part_dim(head_dim), r.seed) if r.kind == "hadamard" and r.signs else None
@@ -275,6 +283,13 @@ class SideLayout:
 
         d = self.part_dim(head_dim)
         return codebooks.lloyd_max(cb.bits, cb.law, d if cb.law == "sphere" else None).centroids
+
+    @property
+    def symmetric_codebook(self) -> bool:
+        """A Lloyd-Max codebook whose centroids are their own negatives (the solver's always are; a scheme's own
+        list may not be) at every head_dim: fill then searches |u| among the positive boundaries alone."""
+        tables = [self.centroids_std(d) for d in self.head_dims]
+        return all(c is not None and len(c) >= 2 and all(a == -b for a, b in zip(c, reversed(c))) for c in tables)
 
     def centroids(self, head_dim: int) -> tuple[float, ...] | None:
         std = self.centroids_std(head_dim)

@@ -836,6 +836,25 @@ def test_kernels_mask_bad_indices_when_unchecked(name, monkeypatch):
     torch.testing.assert_close(out.cpu(), without.cpu())
 
 
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="host seq_lens differ from device ones only beside a GPU cache")
+@pytest.mark.parametrize("name", SCHEMES)
+def test_flatten_takes_host_seq_lens(name):
+    """seq_lens on the CPU (engines keep it there; nothing then waits for the GPU) gives the same bytes as on the
+    cache's device, in either index dtype; any other device is refused in one line."""
+    m = generated(name)
+    BS, nb = 4, 6
+    cache = m.allocate_cache(nb, BS, 2, D, device=DEVICE)
+    m.fill(cache, *dev(randn(nb * BS, 2, D, seed=97), randn(nb * BS, 2, D, seed=98), torch.arange(nb * BS)))
+    tables = i32([[4, 0, 2], [1, 5, 3]])
+    want = m.flatten(cache, tables, i32([9, 12]))
+    for host in (torch.tensor([9, 12], dtype=torch.int32), torch.tensor([9, 12])):
+        got = m.flatten(cache, tables, host)
+        for g, w in zip(got, want):
+            assert g.device == w.device and torch.equal(g, w)
+    with pytest.raises(ValueError, match="seq_lens: expected a tensor on cuda.* or on the CPU, got meta"):
+        m.flatten(cache, tables, torch.tensor([9, 12], device="meta"))
+
+
 # Regression (found by this file, fixed): positions past a row's capacity once read the next row.
 @pytest.mark.parametrize("name", SCHEMES)
 def test_unchecked_seq_len_past_table_capacity_stays_in_its_row(name, monkeypatch):

@@ -500,7 +500,7 @@ def _flatten_kernel(
 
     tile_1 = tile
 
-    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = key_chunk[:, None] & key_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -525,6 +525,7 @@ def _flatten_kernel(
 
         tile_0 = tl.dot(hi_0, key_hadamard)
         tile_1 = tl.dot(hi_1, key_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -666,7 +667,7 @@ def _flatten_kernel(
 
     tile_7 = tile
 
-    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = value_chunk[:, None] & value_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -718,6 +719,7 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

@@ -469,7 +469,7 @@ def _flatten_kernel(
 
     tile_0 = tile
 
-    # Back to the input basis by H_1 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_1 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = key_chunk[:, None] & key_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -620,7 +620,7 @@ def _flatten_kernel(
 
     tile_7 = tile
 
-    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = value_chunk[:, None] & value_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -672,6 +672,7 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

@@ -424,11 +424,13 @@ def _flatten_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
@@ -437,8 +439,10 @@ def _flatten_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
-    """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
+    """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output. FAST_UNPACK
+    (compiled CUDA) takes decode's PTX lookups for an fp16 or bf16 output."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
@@ -457,11 +461,11 @@ def _flatten_kernel(
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
     # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
     # per side.
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
 
     key_norm = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
 
     value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
@@ -483,70 +487,89 @@ def _flatten_kernel(
     key_c14 = tl.load(key_centroids_ptr + 14)
     key_c15 = tl.load(key_centroids_ptr + 15)
 
-    code = key_bytes_0_0 & 15
-
-    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-    lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-    lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-    lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-    lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-    lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-    lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-    tile = lut_3_0
-
-    tile_0 = tile
-
-    code = (key_bytes_0_0 >> 4) & 15
-
-    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-    lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-    lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-    lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-    lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-    lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-    lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-    tile = lut_3_0
-
-    tile_1 = tile
-
-    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = key_chunk[:, None] & key_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
     parity = parity ^ (parity >> 1)
     key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if key_out_ptr.dtype.element_ty == tl.float32:
-        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-        tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-        tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-        tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
-    else:
-        # The codebook's values as they stand (the row factor follows the matrix).
+    if FAST_UNPACK and key_out_ptr.dtype.element_ty != tl.float32:
+        # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+        key_lut_2 = tl.load(key_lut_ptr + 2)
+        key_lut_3 = tl.load(key_lut_ptr + 3)
+        key_lut_4 = tl.load(key_lut_ptr + 4)
+        key_lut_5 = tl.load(key_lut_ptr + 5)
+        key_lut_6 = tl.load(key_lut_ptr + 6)
+        key_lut_7 = tl.load(key_lut_ptr + 7)
+
+        tile_0, tile_1 = _unpack_lut4(key_bytes_0_0, key_lut_0, key_lut_1, key_lut_2, key_lut_3, key_lut_4, key_lut_5, key_lut_6, key_lut_7)
+
+        tile_0 = tl.dot(tile_0, key_hadamard)
+        tile_1 = tl.dot(tile_1, key_hadamard)
         largest = tl.full([BLOCK_T], 1.0, tl.float32)
-        tile_0 = tl.dot(tile_0.to(tl.float16), key_hadamard)
-        tile_1 = tl.dot(tile_1.to(tl.float16), key_hadamard)
+    else:
+        key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+        code = key_bytes_0_0 & 15
+
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
+        lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
+        lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
+        lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
+        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
+        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
+        tile = lut_3_0
+
+        tile_0 = tile
+
+        code = (key_bytes_0_0 >> 4) & 15
+
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
+        lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
+        lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
+        lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
+        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
+        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
+        tile = lut_3_0
+
+        tile_1 = tile
+
+        if key_out_ptr.dtype.element_ty == tl.float32:
+            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            tile = tile_0 * spread[:, None]
+            hi_0 = tile.to(tl.float16)
+            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+            tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+            tile = tile_1 * spread[:, None]
+            hi_1 = tile.to(tl.float16)
+            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+            tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+        else:
+            # The codebook's values as they stand (the row factor follows the matrix).
+            largest = tl.full([BLOCK_T], 1.0, tl.float32)
+            tile_0 = tl.dot(tile_0.to(tl.float16), key_hadamard)
+            tile_1 = tl.dot(tile_1.to(tl.float16), key_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -572,74 +595,89 @@ def _flatten_kernel(
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
-    code = value_bytes_0_0 & 3
-
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
-
-    tile_0 = tile
-
-    code = (value_bytes_0_0 >> 2) & 3
-
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
-
-    tile_1 = tile
-
-    code = (value_bytes_0_0 >> 4) & 3
-
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
-
-    tile_2 = tile
-
-    code = (value_bytes_0_0 >> 6) & 3
-
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
-
-    tile_3 = tile
-
-    # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = value_chunk[:, None] & value_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
     parity = parity ^ (parity >> 1)
     value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if value_out_ptr.dtype.element_ty == tl.float32:
-        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-        tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-        tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-        tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-        tile = tile_2 * spread[:, None]
-        hi_2 = tile.to(tl.float16)
-        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-        tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-        tile = tile_3 * spread[:, None]
-        hi_3 = tile.to(tl.float16)
-        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-        tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-    else:
-        # The codebook's values as they stand (the row factor follows the matrix).
+    if FAST_UNPACK and value_out_ptr.dtype.element_ty != tl.float32:
+        # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
+
+        tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
+
+        tile_0 = tl.dot(tile_0, value_hadamard)
+        tile_1 = tl.dot(tile_1, value_hadamard)
+        tile_2 = tl.dot(tile_2, value_hadamard)
+        tile_3 = tl.dot(tile_3, value_hadamard)
         largest = tl.full([BLOCK_T], 1.0, tl.float32)
-        tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
-        tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
-        tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
-        tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
+    else:
+        value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+        code = value_bytes_0_0 & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+        tile_0 = tile
+
+        code = (value_bytes_0_0 >> 2) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+        tile_1 = tile
+
+        code = (value_bytes_0_0 >> 4) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+        tile_2 = tile
+
+        code = (value_bytes_0_0 >> 6) & 3
+
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
+
+        tile_3 = tile
+
+        if value_out_ptr.dtype.element_ty == tl.float32:
+            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            tile = tile_0 * spread[:, None]
+            hi_0 = tile.to(tl.float16)
+            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+            tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+            tile = tile_1 * spread[:, None]
+            hi_1 = tile.to(tl.float16)
+            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+            tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+            tile = tile_2 * spread[:, None]
+            hi_2 = tile.to(tl.float16)
+            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+            tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+            tile = tile_3 * spread[:, None]
+            hi_3 = tile.to(tl.float16)
+            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+            tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+        else:
+            # The codebook's values as they stand (the row factor follows the matrix).
+            largest = tl.full([BLOCK_T], 1.0, tl.float32)
+            tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+            tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+            tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+            tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -1289,11 +1327,13 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
@@ -1302,6 +1342,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         BLOCK_SIZE=cache.block_size,
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
+        FAST_UNPACK=_FAST_UNPACK,
     )
     return key, value
 

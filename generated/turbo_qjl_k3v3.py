@@ -935,6 +935,7 @@ def _flatten_kernel(
     tile_7 = tile * key_norm[:, None]
 
     signs_7 = signs
+
     qjl = tl.load(key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :])
     tile_0 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
     qjl = tl.load(key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :])
@@ -1063,7 +1064,7 @@ def _flatten_kernel(
     tile_7 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
     qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :])
     tile_7 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = key_chunk[:, None] & key_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -1124,6 +1125,7 @@ def _flatten_kernel(
         tile_5 = tl.dot(hi_5, key_hadamard)
         tile_6 = tl.dot(hi_6, key_hadamard)
         tile_7 = tl.dot(hi_7, key_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -1334,7 +1336,7 @@ def _flatten_kernel(
 
     tile_7 = tile
 
-    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2) on the tiles' fp16 halves, then the signs.
+    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
     parity = value_chunk[:, None] & value_chunk[None, :]
     parity = parity ^ (parity >> 4)
     parity = parity ^ (parity >> 2)
@@ -1386,6 +1388,7 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
+
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

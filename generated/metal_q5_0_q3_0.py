@@ -484,10 +484,6 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b0 = tl.load(value_boundaries_ptr + 0)
-    value_b1 = tl.load(value_boundaries_ptr + 1)
-    value_b2 = tl.load(value_boundaries_ptr + 2)
-    value_b3 = tl.load(value_boundaries_ptr + 3)
     value_b4 = tl.load(value_boundaries_ptr + 4)
     value_b5 = tl.load(value_boundaries_ptr + 5)
     value_b6 = tl.load(value_boundaries_ptr + 6)
@@ -503,7 +499,6 @@ def _fill_kernel(
     code_0 += beyond.to(tl.int32)
     upper = unit > 0
     code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
-
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_1 = tl.zeros(unit.shape, tl.int32)
@@ -515,7 +510,6 @@ def _fill_kernel(
     code_1 += beyond.to(tl.int32)
     upper = unit > 0
     code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
-
     unit = x_2 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_2 = tl.zeros(unit.shape, tl.int32)
@@ -527,7 +521,6 @@ def _fill_kernel(
     code_2 += beyond.to(tl.int32)
     upper = unit > 0
     code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
-
     unit = x_3 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_3 = tl.zeros(unit.shape, tl.int32)
@@ -539,7 +532,6 @@ def _fill_kernel(
     code_3 += beyond.to(tl.int32)
     upper = unit > 0
     code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
-
     unit = x_4 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_4 = tl.zeros(unit.shape, tl.int32)
@@ -551,7 +543,6 @@ def _fill_kernel(
     code_4 += beyond.to(tl.int32)
     upper = unit > 0
     code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
-
     unit = x_5 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_5 = tl.zeros(unit.shape, tl.int32)
@@ -563,7 +554,6 @@ def _fill_kernel(
     code_5 += beyond.to(tl.int32)
     upper = unit > 0
     code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
-
     unit = x_6 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_6 = tl.zeros(unit.shape, tl.int32)
@@ -575,7 +565,6 @@ def _fill_kernel(
     code_6 += beyond.to(tl.int32)
     upper = unit > 0
     code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
-
     unit = x_7 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_7 = tl.zeros(unit.shape, tl.int32)
@@ -587,7 +576,6 @@ def _fill_kernel(
     code_7 += beyond.to(tl.int32)
     upper = unit > 0
     code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
-
     packed = ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4 | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
     packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
@@ -837,7 +825,6 @@ def _flatten_kernel(
         hi_5 = (tile_5 * spread[:, None]).to(tl.float16)
         hi_6 = (tile_6 * spread[:, None]).to(tl.float16)
         hi_7 = (tile_7 * spread[:, None]).to(tl.float16)
-
         tile_0 = tl.dot(hi_0, key_hadamard)
         tile_1 = tl.dot(hi_1, key_hadamard)
         tile_2 = tl.dot(hi_2, key_hadamard)

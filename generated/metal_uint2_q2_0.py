@@ -307,8 +307,6 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b0 = tl.load(value_boundaries_ptr + 0)
-    value_b1 = tl.load(value_boundaries_ptr + 1)
     value_b2 = tl.load(value_boundaries_ptr + 2)
 
     unit = x_0 * inverse[:, None]
@@ -318,7 +316,6 @@ def _fill_kernel(
     code_0 += beyond.to(tl.int32)
     upper = unit > 0
     code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
-
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_1 = tl.zeros(unit.shape, tl.int32)
@@ -326,7 +323,6 @@ def _fill_kernel(
     code_1 += beyond.to(tl.int32)
     upper = unit > 0
     code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
-
     unit = x_2 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_2 = tl.zeros(unit.shape, tl.int32)
@@ -334,7 +330,6 @@ def _fill_kernel(
     code_2 += beyond.to(tl.int32)
     upper = unit > 0
     code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
-
     unit = x_3 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_3 = tl.zeros(unit.shape, tl.int32)
@@ -342,7 +337,6 @@ def _fill_kernel(
     code_3 += beyond.to(tl.int32)
     upper = unit > 0
     code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-
     packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
 
@@ -484,7 +478,6 @@ def _flatten_kernel(
         hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
         hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
         hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
-
         tile_0 = tl.dot(hi_0, key_hadamard)
         tile_1 = tl.dot(hi_1, key_hadamard)
         tile_2 = tl.dot(hi_2, key_hadamard)

@@ -267,56 +267,31 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    key_b0 = tl.load(key_boundaries_ptr + 0)
 
     unit = x_0 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_0 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_0 = tl.where(upper, 1 + code_0, 0 - code_0)
-
+    code_0 = upper.to(tl.int32)
     unit = x_1 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_1 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_1 = tl.where(upper, 1 + code_1, 0 - code_1)
-
+    code_1 = upper.to(tl.int32)
     unit = x_2 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_2 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_2 = tl.where(upper, 1 + code_2, 0 - code_2)
-
+    code_2 = upper.to(tl.int32)
     unit = x_3 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_3 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_3 = tl.where(upper, 1 + code_3, 0 - code_3)
-
+    code_3 = upper.to(tl.int32)
     unit = x_4 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_4 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_4 = tl.where(upper, 1 + code_4, 0 - code_4)
-
+    code_4 = upper.to(tl.int32)
     unit = x_5 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_5 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_5 = tl.where(upper, 1 + code_5, 0 - code_5)
-
+    code_5 = upper.to(tl.int32)
     unit = x_6 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_6 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_6 = tl.where(upper, 1 + code_6, 0 - code_6)
-
+    code_6 = upper.to(tl.int32)
     unit = x_7 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_7 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_7 = tl.where(upper, 1 + code_7, 0 - code_7)
-
+    code_7 = upper.to(tl.int32)
     packed = ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4 | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
     tl.store(key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
 
@@ -443,56 +418,31 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b0 = tl.load(value_boundaries_ptr + 0)
 
     unit = x_0 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_0 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_0 = tl.where(upper, 1 + code_0, 0 - code_0)
-
+    code_0 = upper.to(tl.int32)
     unit = x_1 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_1 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_1 = tl.where(upper, 1 + code_1, 0 - code_1)
-
+    code_1 = upper.to(tl.int32)
     unit = x_2 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_2 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_2 = tl.where(upper, 1 + code_2, 0 - code_2)
-
+    code_2 = upper.to(tl.int32)
     unit = x_3 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_3 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_3 = tl.where(upper, 1 + code_3, 0 - code_3)
-
+    code_3 = upper.to(tl.int32)
     unit = x_4 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_4 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_4 = tl.where(upper, 1 + code_4, 0 - code_4)
-
+    code_4 = upper.to(tl.int32)
     unit = x_5 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_5 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_5 = tl.where(upper, 1 + code_5, 0 - code_5)
-
+    code_5 = upper.to(tl.int32)
     unit = x_6 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_6 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_6 = tl.where(upper, 1 + code_6, 0 - code_6)
-
+    code_6 = upper.to(tl.int32)
     unit = x_7 * inverse[:, None]
-    magnitude = tl.abs(unit)
-    code_7 = tl.zeros(unit.shape, tl.int32)
     upper = unit > 0
-    code_7 = tl.where(upper, 1 + code_7, 0 - code_7)
-
+    code_7 = upper.to(tl.int32)
     packed = ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4 | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
 

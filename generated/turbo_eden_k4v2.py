@@ -184,14 +184,6 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    key_b0 = tl.load(key_boundaries_ptr + 0)
-    key_b1 = tl.load(key_boundaries_ptr + 1)
-    key_b2 = tl.load(key_boundaries_ptr + 2)
-    key_b3 = tl.load(key_boundaries_ptr + 3)
-    key_b4 = tl.load(key_boundaries_ptr + 4)
-    key_b5 = tl.load(key_boundaries_ptr + 5)
-    key_b6 = tl.load(key_boundaries_ptr + 6)
-    key_b7 = tl.load(key_boundaries_ptr + 7)
     key_b8 = tl.load(key_boundaries_ptr + 8)
     key_b9 = tl.load(key_boundaries_ptr + 9)
     key_b10 = tl.load(key_boundaries_ptr + 10)
@@ -200,14 +192,6 @@ def _fill_kernel(
     key_b13 = tl.load(key_boundaries_ptr + 13)
     key_b14 = tl.load(key_boundaries_ptr + 14)
 
-    key_c0 = tl.load(key_centroids_ptr + 0)
-    key_c1 = tl.load(key_centroids_ptr + 1)
-    key_c2 = tl.load(key_centroids_ptr + 2)
-    key_c3 = tl.load(key_centroids_ptr + 3)
-    key_c4 = tl.load(key_centroids_ptr + 4)
-    key_c5 = tl.load(key_centroids_ptr + 5)
-    key_c6 = tl.load(key_centroids_ptr + 6)
-    key_c7 = tl.load(key_centroids_ptr + 7)
     key_c8 = tl.load(key_centroids_ptr + 8)
     key_c9 = tl.load(key_centroids_ptr + 9)
     key_c10 = tl.load(key_centroids_ptr + 10)
@@ -245,7 +229,6 @@ def _fill_kernel(
     upper = unit > 0
     code_0 = tl.where(upper, 8 + code_0, 7 - code_0)
     centroid = tl.where(upper, centroid, -centroid)
-
     align = tl.sum(unit * centroid, axis=1)
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
@@ -275,7 +258,6 @@ def _fill_kernel(
     upper = unit > 0
     code_1 = tl.where(upper, 8 + code_1, 7 - code_1)
     centroid = tl.where(upper, centroid, -centroid)
-
     align += tl.sum(unit * centroid, axis=1)
     # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
     norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)
@@ -349,12 +331,8 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b0 = tl.load(value_boundaries_ptr + 0)
-    value_b1 = tl.load(value_boundaries_ptr + 1)
     value_b2 = tl.load(value_boundaries_ptr + 2)
 
-    value_c0 = tl.load(value_centroids_ptr + 0)
-    value_c1 = tl.load(value_centroids_ptr + 1)
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
@@ -368,7 +346,6 @@ def _fill_kernel(
     upper = unit > 0
     code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
     centroid = tl.where(upper, centroid, -centroid)
-
     align = tl.sum(unit * centroid, axis=1)
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
@@ -380,7 +357,6 @@ def _fill_kernel(
     upper = unit > 0
     code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
     centroid = tl.where(upper, centroid, -centroid)
-
     align += tl.sum(unit * centroid, axis=1)
     unit = x_2 * inverse[:, None]
     magnitude = tl.abs(unit)
@@ -392,7 +368,6 @@ def _fill_kernel(
     upper = unit > 0
     code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
     centroid = tl.where(upper, centroid, -centroid)
-
     align += tl.sum(unit * centroid, axis=1)
     unit = x_3 * inverse[:, None]
     magnitude = tl.abs(unit)
@@ -404,7 +379,6 @@ def _fill_kernel(
     upper = unit > 0
     code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
     centroid = tl.where(upper, centroid, -centroid)
-
     align += tl.sum(unit * centroid, axis=1)
     # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
     norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)

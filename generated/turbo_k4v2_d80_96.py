@@ -186,18 +186,10 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    key_b0 = tl.load(key_boundaries_ptr + 0)
-    key_b1 = tl.load(key_boundaries_ptr + 1)
-    key_b2 = tl.load(key_boundaries_ptr + 2)
-    key_b3 = tl.load(key_boundaries_ptr + 3)
     key_b4 = tl.load(key_boundaries_ptr + 4)
     key_b5 = tl.load(key_boundaries_ptr + 5)
     key_b6 = tl.load(key_boundaries_ptr + 6)
 
-    key_c0 = tl.load(key_centroids_ptr + 0)
-    key_c1 = tl.load(key_centroids_ptr + 1)
-    key_c2 = tl.load(key_centroids_ptr + 2)
-    key_c3 = tl.load(key_centroids_ptr + 3)
     key_c4 = tl.load(key_centroids_ptr + 4)
     key_c5 = tl.load(key_centroids_ptr + 5)
     key_c6 = tl.load(key_centroids_ptr + 6)
@@ -219,7 +211,6 @@ def _fill_kernel(
     upper = unit > 0
     code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
     centroid = tl.where(upper, centroid, -centroid)
-
     residual_0 = tl.where(key_in[None, :], unit - centroid, 0.0)  # padding has no residual
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
@@ -237,7 +228,6 @@ def _fill_kernel(
     upper = unit > 0
     code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
     centroid = tl.where(upper, centroid, -centroid)
-
     residual_1 = tl.where(key_in[None, :], unit - centroid, 0.0)  # padding has no residual
     code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
     code_1 = code_1 | ((residual_1 >= 0).to(tl.int32) << 3)
@@ -292,8 +282,6 @@ def _fill_kernel(
     norm = tl.sqrt(tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1))
     # A zero row stores norm 0 and reads back as zeros, never NaN.
     inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b0 = tl.load(value_boundaries_ptr + 0)
-    value_b1 = tl.load(value_boundaries_ptr + 1)
     value_b2 = tl.load(value_boundaries_ptr + 2)
 
     unit = x_0 * inverse[:, None]
@@ -303,7 +291,6 @@ def _fill_kernel(
     code_0 += beyond.to(tl.int32)
     upper = unit > 0
     code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
-
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_1 = tl.zeros(unit.shape, tl.int32)
@@ -311,7 +298,6 @@ def _fill_kernel(
     code_1 += beyond.to(tl.int32)
     upper = unit > 0
     code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
-
     unit = x_2 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_2 = tl.zeros(unit.shape, tl.int32)
@@ -319,7 +305,6 @@ def _fill_kernel(
     code_2 += beyond.to(tl.int32)
     upper = unit > 0
     code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
-
     unit = x_3 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_3 = tl.zeros(unit.shape, tl.int32)
@@ -327,7 +312,6 @@ def _fill_kernel(
     code_3 += beyond.to(tl.int32)
     upper = unit > 0
     code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-
     packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
     tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None] & value_in[None, :])
 

@@ -199,6 +199,10 @@ def test_odd_block_sizes_and_empty_sequences(name, block_size, seq_lens):
     case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
     tk.check_fill(case, before)
     tk.check_flatten(case)
+    # seq_lens on the host (as engines keep it) reads the same, back in channel order too.
+    host = case.module.flatten(case.cache, case.block_tables, case.seq_lens.cpu())
+    for got, want in zip(host, case.module.flatten(case.cache, case.block_tables, case.seq_lens)):
+        assert torch.equal(got, want)
     tk.check_decode(case, 3, 6)
 
 

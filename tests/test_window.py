@@ -168,6 +168,9 @@ def test_tokens_in_the_window_come_back_as_given(name):
     m.fill(cache, *e.call(1000))
     block_tables, seq_lens, rows = e.paging()
     key, value = m.flatten(cache, block_tables, seq_lens, rows)
+    # seq_lens on the host (as engines keep it) reads the same.
+    host_key, host_value = m.flatten(cache, block_tables, seq_lens.cpu(), rows)
+    assert torch.equal(host_key, key) and torch.equal(host_value, value)
     n = m.WINDOW + 5
     # Sequences within the window: exactly the input. The third: its last WINDOW tokens exactly, the rest not.
     assert torch.equal(key[:n].cpu(), torch.cat(e.key[:2]).half())

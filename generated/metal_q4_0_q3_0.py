@@ -511,10 +511,9 @@ def _flatten_kernel(
         largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
         tile_0 = tl.dot(hi_0, key_hadamard)
+        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
         tile_1 = tl.dot(hi_1, key_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -708,7 +707,6 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

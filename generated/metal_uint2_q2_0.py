@@ -475,14 +475,13 @@ def _flatten_kernel(
         largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
-        hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
-        hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
         tile_0 = tl.dot(hi_0, key_hadamard)
+        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
         tile_1 = tl.dot(hi_1, key_hadamard)
+        hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
         tile_2 = tl.dot(hi_2, key_hadamard)
+        hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
         tile_3 = tl.dot(hi_3, key_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -529,12 +528,6 @@ def _flatten_kernel(
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
-    # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
-    parity = value_chunk[:, None] & value_chunk[None, :]
-    parity = parity ^ (parity >> 4)
-    parity = parity ^ (parity >> 2)
-    parity = parity ^ (parity >> 1)
-    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
     if FAST_UNPACK and value_out_ptr.dtype.element_ty != tl.float32:
         # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
         value_lut_0 = tl.load(value_lut_ptr + 0)
@@ -542,11 +535,6 @@ def _flatten_kernel(
 
         tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-        tile_0 = tl.dot(tile_0, value_hadamard)
-        tile_1 = tl.dot(tile_1, value_hadamard)
-        tile_2 = tl.dot(tile_2, value_hadamard)
-        tile_3 = tl.dot(tile_3, value_hadamard)
-        largest = tl.full([BLOCK_T], 1.0, tl.float32)
     else:
         value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
         code = value_bytes_0_0 & 3
@@ -585,33 +573,38 @@ def _flatten_kernel(
 
         tile_3 = tile
 
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = tile_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-            tile = tile_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-            tile = tile_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-            tile = tile_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-        else:
-            # The codebook's values as they stand (the row factor follows the matrix).
-            largest = tl.full([BLOCK_T], 1.0, tl.float32)
-            tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
-            tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
-            tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
-            tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
-
+    # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
+    parity = value_chunk[:, None] & value_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    if value_out_ptr.dtype.element_ty == tl.float32:
+        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = tile_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+        tile = tile_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+        tile = tile_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+        tile = tile_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+    else:
+        # The codebook's values as they stand (the row factor follows the matrix).
+        largest = tl.full([BLOCK_T], 1.0, tl.float32)
+        tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+        tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+        tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+        tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

@@ -622,7 +622,6 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), key_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), key_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), key_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -831,7 +830,6 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

@@ -1087,22 +1087,21 @@ def _flatten_kernel(
         largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
-        hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
-        hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
-        hi_4 = (tile_4 * spread[:, None]).to(tl.float16)
-        hi_5 = (tile_5 * spread[:, None]).to(tl.float16)
-        hi_6 = (tile_6 * spread[:, None]).to(tl.float16)
-        hi_7 = (tile_7 * spread[:, None]).to(tl.float16)
         tile_0 = tl.dot(hi_0, key_hadamard)
+        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
         tile_1 = tl.dot(hi_1, key_hadamard)
+        hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
         tile_2 = tl.dot(hi_2, key_hadamard)
+        hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
         tile_3 = tl.dot(hi_3, key_hadamard)
+        hi_4 = (tile_4 * spread[:, None]).to(tl.float16)
         tile_4 = tl.dot(hi_4, key_hadamard)
+        hi_5 = (tile_5 * spread[:, None]).to(tl.float16)
         tile_5 = tl.dot(hi_5, key_hadamard)
+        hi_6 = (tile_6 * spread[:, None]).to(tl.float16)
         tile_6 = tl.dot(hi_6, key_hadamard)
+        hi_7 = (tile_7 * spread[:, None]).to(tl.float16)
         tile_7 = tl.dot(hi_7, key_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin
@@ -1365,7 +1364,6 @@ def _flatten_kernel(
         tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
         tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
         tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
-
     twin = tile_0 - tile_1
     tile_0 = tile_0 + tile_1
     tile_1 = twin

@@ -83,6 +83,9 @@ _FLATTEN_BLOCK_T = 64
 _DECODE_CONFIGS = {}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
+# Set per scheme from measurements (templates/decode_tuning.json, docs/benchmarks.md).
+_LAZY_RESCALE = False
 # Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
 _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
@@ -780,6 +783,7 @@ def _decode_kernel(
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
@@ -802,7 +806,7 @@ def _decode_kernel(
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
 
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -868,10 +872,22 @@ def _decode_kernel(
         scores = dots
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        running_max = new_max
+        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+            alpha = tl.exp2(running_max - new_max)
+            running_sum *= alpha
+            acc_0 *= alpha[:, None]
+            acc_1 *= alpha[:, None]
+            acc_2 *= alpha[:, None]
+            acc_3 *= alpha[:, None]
+            acc_4 *= alpha[:, None]
+            acc_5 *= alpha[:, None]
+            acc_6 *= alpha[:, None]
+            acc_7 *= alpha[:, None]
+            running_max = new_max
+        p = tl.exp2(scores - running_max[:, None])
+        running_sum += tl.sum(p, axis=1)
 
         # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -893,7 +909,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
         code = (value_bytes_0_0 >> 1) & 1
         code = code | ((value_bytes_1_1 & 3) << 1)
 
@@ -906,7 +922,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
         code = (value_bytes_0_0 >> 2) & 1
         code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
@@ -919,7 +935,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
         code = (value_bytes_0_0 >> 3) & 1
         code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
@@ -932,7 +948,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
         code = (value_bytes_0_0 >> 4) & 1
         code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
@@ -945,7 +961,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4 * alpha[:, None])
+        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
         code = (value_bytes_0_0 >> 5) & 1
         code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
@@ -958,7 +974,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5 * alpha[:, None])
+        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
         code = (value_bytes_0_0 >> 6) & 1
         code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
@@ -971,7 +987,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6 * alpha[:, None])
+        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
         code = (value_bytes_0_0 >> 7) & 1
         code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
@@ -984,7 +1000,7 @@ def _decode_kernel(
         lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
         tile = lut_2_0
 
-        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7 * alpha[:, None])
+        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
 
         row = row_next
         valid = valid_next
@@ -1341,6 +1357,7 @@ def decode(
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
+        LAZY_RESCALE=_LAZY_RESCALE,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=register_cap[0] if register_cap else None,
@@ -1354,9 +1371,9 @@ def decode(
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads) -> torch.Tensor:
+def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=torch.float32, device=partial.device)
+    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
         partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
         NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

@@ -83,6 +83,9 @@ _FLATTEN_BLOCK_T = 64
 _DECODE_CONFIGS = {}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
+# Set per scheme from measurements (templates/decode_tuning.json, docs/benchmarks.md).
+_LAZY_RESCALE = False
 # Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
 _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
@@ -719,6 +722,7 @@ def _decode_kernel(
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
@@ -743,13 +747,13 @@ def _decode_kernel(
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_1 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_2 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_3 = query.to(DOT_DTYPE)
 
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -845,10 +849,18 @@ def _decode_kernel(
         scores = dots
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        running_max = new_max
+        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+            alpha = tl.exp2(running_max - new_max)
+            running_sum *= alpha
+            acc_0 *= alpha[:, None]
+            acc_1 *= alpha[:, None]
+            acc_2 *= alpha[:, None]
+            acc_3 *= alpha[:, None]
+            running_max = new_max
+        p = tl.exp2(scores - running_max[:, None])
+        running_sum += tl.sum(p, axis=1)
 
         # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
@@ -859,10 +871,10 @@ def _decode_kernel(
         if FAST_UNPACK:
             tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-            acc_0 = tl.dot(weights, tile_0, acc_0 * alpha[:, None])
-            acc_1 = tl.dot(weights, tile_1, acc_1 * alpha[:, None])
-            acc_2 = tl.dot(weights, tile_2, acc_2 * alpha[:, None])
-            acc_3 = tl.dot(weights, tile_3, acc_3 * alpha[:, None])
+            acc_0 = tl.dot(weights, tile_0, acc_0)
+            acc_1 = tl.dot(weights, tile_1, acc_1)
+            acc_2 = tl.dot(weights, tile_2, acc_2)
+            acc_3 = tl.dot(weights, tile_3, acc_3)
         else:
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0 & 3
@@ -872,7 +884,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
+            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
             code = (value_bytes_0_0 >> 2) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -880,7 +892,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
+            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
             code = (value_bytes_0_0 >> 4) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -888,7 +900,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
+            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
             code = (value_bytes_0_0 >> 6) & 3
 
             lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
@@ -896,7 +908,7 @@ def _decode_kernel(
             lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
             tile = lut_1_0
 
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
+            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 
         row = row_next
         valid = valid_next
@@ -1262,6 +1274,7 @@ def decode(
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
+        LAZY_RESCALE=_LAZY_RESCALE,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -1276,9 +1289,9 @@ def decode(
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads) -> torch.Tensor:
+def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=torch.float32, device=partial.device)
+    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
         partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
         NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

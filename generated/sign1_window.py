@@ -95,6 +95,9 @@ _FLATTEN_BLOCK_T = 64
 _DECODE_CONFIGS = {128: (32, 1, 3, 16, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
+# Set per scheme from measurements (templates/decode_tuning.json, docs/benchmarks.md).
+_LAZY_RESCALE = False
 # Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
 _FAST_UNPACK = not _INTERPRET and torch.version.hip is None
 
@@ -959,6 +962,7 @@ def _decode_kernel(
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
@@ -981,21 +985,21 @@ def _decode_kernel(
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_1 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_2 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_3 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_4 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_5 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_6 = query.to(DOT_DTYPE)
-    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_7 = query.to(DOT_DTYPE)
     key_c0 = tl.load(key_centroids_ptr + 0)
     key_c1 = tl.load(key_centroids_ptr + 1)
@@ -1099,10 +1103,22 @@ def _decode_kernel(
         scores = dots * key_norm[None, :]
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        running_max = new_max
+        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+            alpha = tl.exp2(running_max - new_max)
+            running_sum *= alpha
+            acc_0 *= alpha[:, None]
+            acc_1 *= alpha[:, None]
+            acc_2 *= alpha[:, None]
+            acc_3 *= alpha[:, None]
+            acc_4 *= alpha[:, None]
+            acc_5 *= alpha[:, None]
+            acc_6 *= alpha[:, None]
+            acc_7 *= alpha[:, None]
+            running_max = new_max
+        p = tl.exp2(scores - running_max[:, None])
+        running_sum += tl.sum(p, axis=1)
 
         # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
         value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -1115,49 +1131,49 @@ def _decode_kernel(
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0 * alpha[:, None])
+        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
         code = (value_bytes_0_0 >> 1) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1 * alpha[:, None])
+        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
         code = (value_bytes_0_0 >> 2) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2 * alpha[:, None])
+        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
         code = (value_bytes_0_0 >> 3) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3 * alpha[:, None])
+        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
         code = (value_bytes_0_0 >> 4) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4 * alpha[:, None])
+        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
         code = (value_bytes_0_0 >> 5) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5 * alpha[:, None])
+        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
         code = (value_bytes_0_0 >> 6) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6 * alpha[:, None])
+        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
         code = (value_bytes_0_0 >> 7) & 1
 
         lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
         tile = lut_0_0
 
-        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7 * alpha[:, None])
+        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
 
         row = row_next
         valid = valid_next
@@ -1289,7 +1305,7 @@ def _window_decode_kernel(
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     dim = tl.arange(0, D_PAD)
-    query = tl.load(query_ptr + q_row[:, None] * D_PAD + dim[None, :], mask=q_valid[:, None], other=0.0)
+    query = tl.load(query_ptr + q_row[:, None] * D_PAD + dim[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -1730,6 +1746,7 @@ def decode(
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
+        LAZY_RESCALE=_LAZY_RESCALE,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=register_cap[0] if register_cap else None,
@@ -1766,9 +1783,9 @@ def decode(
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads) -> torch.Tensor:
+def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=torch.float32, device=partial.device)
+    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
         partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
         NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

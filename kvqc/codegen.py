@@ -87,7 +87,8 @@ def decode_tuning(name: str) -> dict:
         comment = f"Tuned by `kvqc tune` on {sweep}."
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
-    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment}
+    lazy = name in table.get("lazy_rescale", [])
+    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy}
 
 
 def render(scheme: Scheme) -> str:

@@ -209,3 +209,20 @@ EXTRA = sorted(str(p) for p in (ROOT / "tests" / "schemes").glob("*.yaml"))
 @given(c=cases)
 def test_other_branches_match_reference(path, c):
     test_kernels_match_reference.hypothesis.inner_test(path, c)
+
+
+@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2", str(ROOT / "tests" / "schemes" / "split_qjl_rms.yaml")],
+                         ids=["int4_token", "turbo_k4v2", "split_qjl_rms"])
+def test_lazy_rescale_matches_eager(name, monkeypatch):
+    # Skipping the rescale on tiles that raise no row's max (LAZY_RESCALE) must not change the result: both
+    # settings against the reference and against each other, with splits of several tiles each.
+    case = make_case(name, generated(name).HEAD_DIMS[0], 16, 2, [37, 90, 5], torch.float32, 11)
+    case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
+    query = peaked_query(case, 4 * case.cache.num_kv_heads, 12)
+    want = case.module.reference.decode(query, case.cache, case.block_tables, case.seq_lens)
+    outs = {}
+    for lazy in (False, True):
+        monkeypatch.setattr(case.module, "_LAZY_RESCALE", lazy)
+        outs[lazy] = case.module.decode(query, case.cache, case.block_tables, case.seq_lens)
+        assert rel_err(outs[lazy], want) < OUT_RTOL[torch.float32]
+    assert rel_err(outs[True], outs[False]) < 1e-5

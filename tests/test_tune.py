@@ -115,3 +115,16 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     assert "Other GPU (batch 8)" in codegen.decode_tuning("later")["comment"]
     assert codegen.decode_tuning("other")["configs"] == "{}"
     assert codegen.decode_tuning("int4_token")["comment"] == shipped_note
+
+
+def test_lazy_rescale_list_renders_into_the_module(tmp_path, monkeypatch):
+    path = tmp_path / "decode_tuning.json"
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
+    table["lazy_rescale"] = ["some_scheme"]
+    path.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    assert codegen.decode_tuning("some_scheme")["lazy"] is True
+    assert codegen.decode_tuning("int4_token")["lazy"] is False
+    # A sweep leaves the list alone.
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    assert json.loads(path.read_text(encoding="utf-8"))["lazy_rescale"] == ["some_scheme"]

@@ -238,3 +238,23 @@ def test_window_arguments_are_checked(name, monkeypatch):
     if groups > 1:
         with pytest.raises(ValueError, match="^block_size: "):
             m.allocate_cache(4, groups // 2, 1, d, device=DEVICE, max_seqs=2)
+
+
+def test_lazy_rescale_matches_eager(monkeypatch):
+    # kivi_k2v2's per-channel groups take their own accumulation (scales after the dot); LAZY_RESCALE must not
+    # change its result either.
+    m = generated("kivi_k2v2")
+    e = Engine(m, m.HEAD_DIMS[0], max(16, group_tokens(m)), 2, [m.WINDOW + 150, 40], torch.float32, 5)
+    cache = e.allocate()
+    m.fill(cache, *e.call(m.WINDOW + 150))
+    block_tables, seq_lens, rows = e.paging()
+    g = torch.Generator().manual_seed(6)
+    k_rms = float(torch.cat(e.key).pow(2).mean().sqrt())
+    query = (torch.randn(2, 8, m.HEAD_DIMS[0], generator=g) * 4 / k_rms).to(DEVICE)
+    want = m.reference.decode(query, cache, block_tables, seq_lens, window_index=rows)
+    outs = {}
+    for lazy in (False, True):
+        monkeypatch.setattr(m, "_LAZY_RESCALE", lazy)
+        outs[lazy] = m.decode(query, cache, block_tables, seq_lens, rows)
+        assert rel_err(outs[lazy], want) < OUT_RTOL[torch.float32]
+    assert rel_err(outs[True], outs[False]) < 1e-5

@@ -261,6 +261,13 @@ class SideLayout:
         return self.uses_matrix and not self.hadamard_blocks
 
     @property
+    def wrapper_maps(self) -> bool:
+        """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation, padding
+        positions, QJL's projection): the query before the kernel for K, the output after the merge for V.
+        Otherwise the kernels read the query and write the output in the model's dtype."""
+        return self.uses_matrix or self.padded or self.scheme.residual.kind == "qjl"
+
+    @property
     def factor_after_matrix(self) -> bool:
         """Flatten applies the row factor after the matrix instead of before it (it commutes with a linear map):
         the codebook's own values (unit-scale centroids, integer or fp8 levels) fit fp16 as they stand, so an fp16

@@ -220,9 +220,16 @@ def test_lazy_rescale_matches_eager(name, monkeypatch):
     case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
     query = peaked_query(case, 4 * case.cache.num_kv_heads, 12)
     want = case.module.reference.decode(query, case.cache, case.block_tables, case.seq_lens)
+    check_lazy_matches_eager(
+        case.module, monkeypatch, lambda: case.module.decode(query, case.cache, case.block_tables, case.seq_lens), want
+    )
+
+
+def check_lazy_matches_eager(module, monkeypatch, decode, want: torch.Tensor):
+    """`decode()` (float32) with LAZY_RESCALE off and on: both against `want`, and against each other."""
     outs = {}
     for lazy in (False, True):
-        monkeypatch.setattr(case.module, "_LAZY_RESCALE", lazy)
-        outs[lazy] = case.module.decode(query, case.cache, case.block_tables, case.seq_lens)
+        monkeypatch.setattr(module, "_LAZY_RESCALE", lazy)
+        outs[lazy] = decode()
         assert rel_err(outs[lazy], want) < OUT_RTOL[torch.float32]
     assert rel_err(outs[True], outs[False]) < 1e-5

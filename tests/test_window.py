@@ -14,9 +14,8 @@ import torch
 from conftest import DEEP, DEVICE, ROOT, WINDOW_SCHEMES, generated
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernels import META_RTOL, OUT_RTOL, check_lazy_matches_eager, rel_err
 
-OUT_RTOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
-META_RTOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
 EXTRA = sorted(str(p) for p in (ROOT / "tests" / "schemes" / "window").glob("*.yaml"))
 ALL = WINDOW_SCHEMES + EXTRA
 
@@ -78,12 +77,6 @@ class Engine:
 
     def paging(self):
         return self.block_tables.to(DEVICE), torch.tensor(self.done, dtype=torch.int32, device=DEVICE), self.rows.to(DEVICE)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.cpu().to(torch.float64), want.to(torch.float64)
-    assert torch.isfinite(got).all(), "non-finite output"
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def check_same_cache(m, got, want, head_dim):
@@ -252,9 +245,4 @@ def test_lazy_rescale_matches_eager(monkeypatch):
     k_rms = float(torch.cat(e.key).pow(2).mean().sqrt())
     query = (torch.randn(2, 8, m.HEAD_DIMS[0], generator=g) * 4 / k_rms).to(DEVICE)
     want = m.reference.decode(query, cache, block_tables, seq_lens, window_index=rows)
-    outs = {}
-    for lazy in (False, True):
-        monkeypatch.setattr(m, "_LAZY_RESCALE", lazy)
-        outs[lazy] = m.decode(query, cache, block_tables, seq_lens, rows)
-        assert rel_err(outs[lazy], want) < OUT_RTOL[torch.float32]
-    assert rel_err(outs[True], outs[False]) < 1e-5
+    check_lazy_matches_eager(m, monkeypatch, lambda: m.decode(query, cache, block_tables, seq_lens, rows), want)

@@ -396,7 +396,7 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head); the output stays in the rotated basis."""
+    """Merge the splits of one (sequence, query head); the output stays in position order."""
     q_row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)

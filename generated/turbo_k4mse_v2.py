@@ -96,6 +96,21 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _walsh_hadamard(x, WIDTH: tl.constexpr):
+    """x @ H_WIDTH (Sylvester's order, entries +-1, not normalized) along the last axis of x [rows, WIDTH],
+    float32: log2(WIDTH) butterfly passes of exact adds and subtracts, so decode rotates its few query and output
+    rows in Triton, with no d x d matrix to read and no cuBLAS call or dtype cast around it."""
+    ROWS: tl.constexpr = x.shape[0]
+    for stage in tl.static_range(8):  # WIDTH <= 256
+        if (1 << stage) < WIDTH:
+            # Pairs (i, i + 2^stage) inside each block of 2^(stage+1) columns become the split's last axis.
+            pairs = tl.permute(tl.reshape(x, [ROWS, WIDTH // (2 << stage), 2, 1 << stage]), (0, 1, 3, 2))
+            low, high = tl.split(pairs)
+            x = tl.reshape(tl.permute(tl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, WIDTH])
+    return x
+
+
+@triton.jit
 def _fill_kernel(
     key_ptr,
     value_ptr,
@@ -976,19 +991,32 @@ def _decode_kernel(
 
 
 @triton.jit
+def _rotate_query_kernel(query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row holds the signs
+    tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
+
+
+@triton.jit
 def _decode_reduce_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
     seq_lens_ptr,
+    value_matrix_ptr,
     tokens_per_split,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head); the output stays in the rotated basis."""
+    """Merge the splits of one (sequence, query head) and rotate the result back to the input basis."""
     q_row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
@@ -1003,7 +1031,10 @@ def _decode_reduce_kernel(
     # An empty sequence has total 0: its output is zeros rather than 0/0.
     weight = weight / tl.where(total > 0, total, 1.0)
     acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=has[:, None], other=0.0)
-    tl.store(out_ptr + q_row * HEAD_DIM + dim, tl.sum(acc * weight[:, None], axis=0))
+    out = tl.sum(acc * weight[:, None], axis=0)
+    # Position order is the rotated coordinates' order: H_d by butterflies over the whole row, then the signs.
+    out = tl.reshape(_walsh_hadamard(out[None, :], HEAD_DIM), [HEAD_DIM]) * (1.0 / HEAD_DIM ** 0.5)
+    tl.store(out_ptr + q_row * HEAD_DIM + dim, out * tl.load(value_matrix_ptr + dim).to(tl.float32))
 
 
 def _hadamard(head_dim: int) -> torch.Tensor:
@@ -1288,8 +1319,10 @@ def decode(
     tables = _tables(head_dim, cache.device)
     group = num_q_heads // cache.num_kv_heads
 
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    q = q @ tables["key_rotation"].t()  # rotated once, in position order
+    q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
+    rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _rotate_query_kernel[(triton.cdiv(q.shape[0], 16),)](q.contiguous(), tables["key_matrix"], rotated, q.shape[0], HEAD_DIM=head_dim, ROWS=16)
+    q = rotated  # in position order
     q = q.contiguous()
 
     # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
@@ -1346,16 +1379,17 @@ def decode(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
     )
-    out = reduce(partial_out)
-    out = out @ tables["value_rotation"]  # back to the input basis, once
+    out = reduce(partial_out, value_matrix=tables["value_matrix"], dtype=query.dtype)  # the merge rotates back and casts
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32) -> torch.Tensor:
+def _reduce(
+    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32
+) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
-        partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
+        partial, partial_max, partial_sum, out, seq_lens, value_matrix, tokens_per_split, num_splits,
         NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
     )
     return out

@@ -261,11 +261,20 @@ class SideLayout:
         return self.uses_matrix and not self.hadamard_blocks
 
     @property
+    def kernel_rotates(self) -> bool:
+        """Decode rotates this side's vectors in Triton, by Walsh-Hadamard butterflies in registers:
+        `_rotate_query_kernel` the query into position order (K), `_decode_reduce_kernel` the merged output back
+        (V). Where position order is the rotated coordinates' own (not permuted, padded or split) and no QJL
+        projection follows (it stays in the wrapper)."""
+        return (self.rotated and not self.permuted and not self.padded and not self.split
+                and self.scheme.residual.kind != "qjl")
+
+    @property
     def wrapper_maps(self) -> bool:
-        """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation, padding
-        positions, QJL's projection): the query before the kernel for K, the output after the merge for V.
-        Otherwise the kernels read the query and write the output in the model's dtype."""
-        return self.uses_matrix or self.padded or self.scheme.residual.kind == "qjl"
+        """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
+        do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
+        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype."""
+        return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.scheme.residual.kind == "qjl"
 
     @property
     def factor_after_matrix(self) -> bool:
@@ -355,6 +364,11 @@ class Layout:
     def sides(self) -> tuple[SideLayout, ...]:
         """Every part of K, then of V: one set of cache tensors each."""
         return self.key_parts + self.value_parts
+
+    @property
+    def kernel_rotates(self) -> bool:
+        """Some side's decode rotates in the kernels: the module carries `_walsh_hadamard`."""
+        return any(side.kernel_rotates for side in self.sides)
 
     @property
     def dense_matrix(self) -> bool:

@@ -135,7 +135,7 @@ def check_fill(case: Case, before: dict):
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.cpu().to(torch.float64), want.to(torch.float64)
+    got, want = got.cpu().to(torch.float64), want.cpu().to(torch.float64)
     assert torch.isfinite(got).all(), "non-finite output"
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 

@@ -104,8 +104,9 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
     """x @ H_WIDTH (Sylvester's order, entries +-1, not normalized) along the last axis of x [rows, WIDTH],
     float32: log2(WIDTH) butterfly passes of exact adds and subtracts, so decode rotates its few query and output
     rows in Triton, with no d x d matrix to read and no cuBLAS call or dtype cast around it."""
+    tl.static_assert(WIDTH <= 256, "head_dim above 256 needs more butterfly passes")
     ROWS: tl.constexpr = x.shape[0]
-    for stage in tl.static_range(8):  # WIDTH <= 256
+    for stage in tl.static_range(8):
         if (1 << stage) < WIDTH:
             # Pairs (i, i + 2^stage) inside each block of 2^(stage+1) columns become the split's last axis.
             pairs = tl.permute(tl.reshape(x, [ROWS, WIDTH // (2 << stage), 2, 1 << stage]), (0, 1, 3, 2))

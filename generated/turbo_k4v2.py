@@ -89,7 +89,7 @@ _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
-_DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 4, 16, 128)}
+_DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 3, 16, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
@@ -113,8 +113,9 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
     """x @ H_WIDTH (Sylvester's order, entries +-1, not normalized) along the last axis of x [rows, WIDTH],
     float32: log2(WIDTH) butterfly passes of exact adds and subtracts, so decode rotates its few query and output
     rows in Triton, with no d x d matrix to read and no cuBLAS call or dtype cast around it."""
+    tl.static_assert(WIDTH <= 256, "head_dim above 256 needs more butterfly passes")
     ROWS: tl.constexpr = x.shape[0]
-    for stage in tl.static_range(8):  # WIDTH <= 256
+    for stage in tl.static_range(8):
         if (1 << stage) < WIDTH:
             # Pairs (i, i + 2^stage) inside each block of 2^(stage+1) columns become the split's last axis.
             pairs = tl.permute(tl.reshape(x, [ROWS, WIDTH // (2 << stage), 2, 1 << stage]), (0, 1, 3, 2))

@@ -3,6 +3,9 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from conftest import DEVICE, generated
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -178,3 +181,27 @@ def test_hadamard_transform_matches_the_matrix(d):
 def test_hadamard_refuses_other_orders():
     with pytest.raises(ValueError, match="12 \\* 2\\^k or 20 \\* 2\\^k"):
         rotation.hadamard_factors(72)
+
+
+
+# Decode's in-kernel rotation (the query's, and the merged output's), as a module that rotates renders it.
+_walsh_hadamard = generated("turbo_k4v2")._walsh_hadamard
+
+
+@triton.jit
+def _transform_rows(x_ptr, y_ptr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    offsets = tl.arange(0, ROWS)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    tl.store(y_ptr + offsets, _walsh_hadamard(tl.load(x_ptr + offsets), WIDTH))
+
+
+@pytest.mark.parametrize("width", [1, 2, 16, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_walsh_hadamard_kernel_matches_sylvester(rows, width):
+    # float32 butterflies against the float64 Sylvester matrix, to float32 rounding.
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(width))
+    y = torch.empty_like(x, device=DEVICE)
+    _transform_rows[(1,)](x.to(DEVICE), y, ROWS=rows, WIDTH=width)
+    want = x.double() @ torch.tensor(hadamard_matrix(width), dtype=torch.float64)
+    assert torch.allclose(y.cpu().double(), want, rtol=0, atol=1e-5 * math.sqrt(width) * float(x.abs().max()))
+    # A transform that skipped a stage or swapped the pair's sum and difference would miss by O(1).
+    assert width == 1 or not torch.allclose(y.cpu().double(), x.double(), atol=1e-2)

@@ -813,7 +813,9 @@ def decode(
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
-def _reduce(partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32) -> torch.Tensor:
+def _reduce(
+    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32
+) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](

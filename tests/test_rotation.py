@@ -183,7 +183,6 @@ def test_hadamard_refuses_other_orders():
         rotation.hadamard_factors(72)
 
 
-
 # Decode's in-kernel rotation (the query's, and the merged output's), as a module that rotates renders it.
 _walsh_hadamard = generated("turbo_k4v2")._walsh_hadamard
 

@@ -366,6 +366,13 @@ class Layout:
         return self.key_parts + self.value_parts
 
     @property
+    def fill_loops(self) -> bool:
+        """Fill programs loop over several token tiles, so Triton prefetches the next tile's rows while this one is
+        rotated and quantized: where some side rotates in Hadamard blocks. The elementwise fills and the dense
+        matrix ones keep one tile a program (measured in docs/benchmarks.md, session 9)."""
+        return any(side.hadamard_blocks for side in self.sides)
+
+    @property
     def kernel_rotates(self) -> bool:
         """Some side's decode rotates in the kernels: the module carries `_walsh_hadamard`."""
         return any(side.kernel_rotates for side in self.sides)

@@ -74,9 +74,11 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 64
 # Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages. H100, batch 8 x 32k, share
-# of copy bandwidth: turbo_k4v2 41.6% -> 51.8% (1 stage 33.9%, 3 stages 43.1%, 8 programs per SM 51.8%),
-# sign1_window 31.1% -> 45.8%, turbo_eden_k4v2 25.1% -> 36.4%, turbo_k4mse_v2 45.7% -> 44.5%.
-_FILL_PROGRAMS_PER_SM = 4
+# of copy bandwidth from one tile a program to 4 / 8 programs per SM: turbo_k4v2 41.6% -> 51.7 / 50.5%,
+# turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
+# turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
+# and 35%.
+_FILL_PROGRAMS_PER_SM = 8
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).

@@ -725,10 +725,10 @@ def _decode_config(head_dim: int) -> tuple:
     return (block_n if head_dim <= 128 else block_n // 2, *rest)
 
 
-def _target_programs(device: torch.device, splits_per_sm: int) -> int:
+def _target_programs(device: torch.device, per_sm: int) -> int:
     """Enough split programs to fill the GPU; two on the interpreter, so tests still cross a split."""
     if device.type == "cuda":
-        return splits_per_sm * _sm_count(device)
+        return per_sm * _sm_count(device)
     return 2
 
 

@@ -109,7 +109,7 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 def _walsh_hadamard(x, WIDTH: tl.constexpr):
     """x @ H_WIDTH (Sylvester's order, entries +-1, not normalized) along the last axis of x [rows, WIDTH],
     float32: log2(WIDTH) butterfly passes of exact adds and subtracts, so decode rotates its few query and output
-    rows in Triton, with no d x d matrix to read and no cuBLAS call or dtype cast around it."""
+    rows in Triton without reading a d x d matrix."""
     tl.static_assert(WIDTH <= 256, "head_dim above 256 needs more butterfly passes")
     ROWS: tl.constexpr = x.shape[0]
     for stage in tl.static_range(8):
@@ -956,7 +956,7 @@ def _rotate_query_kernel(query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.
     dim = tl.arange(0, HEAD_DIM)
     offsets = row[:, None] * HEAD_DIM + dim[None, :]
     query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
-    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row holds the signs
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
     tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
 
 
@@ -1360,10 +1360,11 @@ def _decode_config(head_dim: int) -> tuple:
     return (block_n if head_dim <= 128 else block_n // 2, *rest)
 
 
-def _target_programs(device: torch.device, splits_per_sm: int) -> int:
-    """Enough split programs to fill the GPU; two on the interpreter, so tests still cross a split."""
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Enough programs to fill the GPU (decode's splits, fill's looping programs); two on the interpreter, so tests
+    still cross a split and fills loop over several tiles."""
     if device.type == "cuda":
-        return splits_per_sm * _sm_count(device)
+        return per_sm * _sm_count(device)
     return 2
 
 

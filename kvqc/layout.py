@@ -373,9 +373,19 @@ class Layout:
         return any(side.hadamard_blocks for side in self.sides)
 
     @property
+    def rotates_query(self) -> bool:
+        """`_rotate_query_kernel` takes the query into position order (a split layout maps each part in torch)."""
+        return not self.split and self.key.kernel_rotates
+
+    @property
+    def rotates_output(self) -> bool:
+        """`_decode_reduce_kernel` rotates the merged output back (a split layout maps each part in torch)."""
+        return not self.split and self.value.kernel_rotates
+
+    @property
     def kernel_rotates(self) -> bool:
-        """Some side's decode rotates in the kernels: the module carries `_walsh_hadamard`."""
-        return any(side.kernel_rotates for side in self.sides)
+        """Decode rotates in Triton: the module carries `_walsh_hadamard`."""
+        return self.rotates_query or self.rotates_output
 
     @property
     def dense_matrix(self) -> bool:

@@ -123,7 +123,7 @@ class Tripwire:
 
 def no_launches(monkeypatch, m):
     for k in ("_fill_kernel", "_flatten_kernel", "_decode_kernel", "_decode_reduce_kernel", "_rotate_query_kernel"):
-        if k != "_rotate_query_kernel" or hasattr(m, k):  # only rotated schemes have the last
+        if k != "_rotate_query_kernel" or hasattr(m, k):  # only where decode rotates the query in a kernel
             monkeypatch.setattr(m, k, Tripwire(k))
 
 

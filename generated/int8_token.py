@@ -447,7 +447,8 @@ def _decode_reduce_kernel(
     # An empty sequence has total 0: its output is zeros rather than 0/0.
     weight = weight / tl.where(total > 0, total, 1.0)
     acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=has[:, None], other=0.0)
-    tl.store(out_ptr + q_row * HEAD_DIM + dim, tl.sum(acc * weight[:, None], axis=0))
+    out = tl.sum(acc * weight[:, None], axis=0)
+    tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
 def _hadamard(head_dim: int) -> torch.Tensor:

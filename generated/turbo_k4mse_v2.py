@@ -1044,7 +1044,8 @@ def _decode_reduce_kernel(
     out = tl.sum(acc * weight[:, None], axis=0)
     # Position order is the rotated coordinates' order: H_d by butterflies over the whole row, then the signs.
     out = tl.reshape(_walsh_hadamard(out[None, :], HEAD_DIM), [HEAD_DIM]) * (1.0 / HEAD_DIM ** 0.5)
-    tl.store(out_ptr + q_row * HEAD_DIM + dim, out * tl.load(value_matrix_ptr + dim).to(tl.float32))
+    out *= tl.load(value_matrix_ptr + dim).to(tl.float32)
+    tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
 def _hadamard(head_dim: int) -> torch.Tensor:

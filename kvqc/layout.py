@@ -248,12 +248,17 @@ class SideLayout:
         return self.rotated or self.permuted
 
     @property
+    def coordinate_order(self) -> bool:
+        """A rotated side whose positions are the rotated coordinates in order (not permuted, padded or split):
+        Sylvester's H_d applies to position space as it stands."""
+        return self.rotated and not self.permuted and not self.padded and not self.split
+
+    @property
     def hadamard_blocks(self) -> bool:
         """Fill and flatten rotate chunk by chunk: Sylvester's H_d is H_(chunks) (x) H_(chunk) over (chunk, column)
         when positions are in coordinate order, so each chunk takes one chunk x chunk dot and the chunks combine by
         butterflies. Needs chunks of 16 columns or more at every head_dim (tl.dot's smallest K)."""
-        return (self.rotated and not self.permuted and not self.padded and not self.split
-                and all(d // self.chunks >= 16 for d in self.head_dims))
+        return self.coordinate_order and all(d // self.chunks >= 16 for d in self.head_dims)
 
     @property
     def dense_matrix(self) -> bool:
@@ -264,10 +269,8 @@ class SideLayout:
     def kernel_rotates(self) -> bool:
         """Decode rotates this side's vectors in Triton, by Walsh-Hadamard butterflies in registers:
         `_rotate_query_kernel` the query into position order (K), `_decode_reduce_kernel` the merged output back
-        (V). Where position order is the rotated coordinates' own (not permuted, padded or split) and no QJL
-        projection follows (it stays in the wrapper)."""
-        return (self.rotated and not self.permuted and not self.padded and not self.split
-                and self.scheme.residual.kind != "qjl")
+        (V). Where positions are in coordinate order and no QJL projection follows (it stays in the wrapper)."""
+        return self.coordinate_order and self.scheme.residual.kind != "qjl"
 
     @property
     def wrapper_maps(self) -> bool:

@@ -304,6 +304,52 @@ def _unpack_u4(codes):
 
 
 @triton.jit
+def _unpack_u4_words(words):
+    """Words of 4 bytes of two 4-bit codes -> fp16 code - 8 of the low nibbles of bytes 0..3, then of the high
+    nibbles (eight tiles, see decode).
+
+    pack=2 hands over the words of two elements; one prmt per byte puts the two elements' bytes in the low
+    halves, then _unpack_u4's lop3 with 0x6400 and its subtraction (low nibble) or fma (high nibble).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m, c, lo, hi, s, o;
+        mov.b32 m, 0x64006400;
+        mov.b32 c, 0x64086408;
+        mov.b32 lo, 0x000f000f;
+        mov.b32 hi, 0x00f000f0;
+        mov.b32 s, 0x2c002c00;
+        mov.b32 o, 0xd480d480;
+        prmt.b32 t, $8, $9, 0x0400;
+        lop3.b32 $0, t, lo, m, 0xea;
+        lop3.b32 $4, t, hi, m, 0xea;
+        prmt.b32 t, $8, $9, 0x0501;
+        lop3.b32 $1, t, lo, m, 0xea;
+        lop3.b32 $5, t, hi, m, 0xea;
+        prmt.b32 t, $8, $9, 0x0602;
+        lop3.b32 $2, t, lo, m, 0xea;
+        lop3.b32 $6, t, hi, m, 0xea;
+        prmt.b32 t, $8, $9, 0x0703;
+        lop3.b32 $3, t, lo, m, 0xea;
+        lop3.b32 $7, t, hi, m, 0xea;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        sub.f16x2 $2, $2, c;
+        sub.f16x2 $3, $3, c;
+        fma.rn.f16x2 $4, $4, s, o;
+        fma.rn.f16x2 $5, $5, s, o;
+        fma.rn.f16x2 $6, $6, s, o;
+        fma.rn.f16x2 $7, $7, s, o;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+        args=[words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -350,6 +396,8 @@ def _decode_kernel(
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 2
     value_chunk = tl.arange(0, VALUE_CHUNK)
+    VALUE_WORDS: tl.constexpr = VALUE_CHUNK // 4  # value codes are read as 32-bit words
+    value_word = tl.arange(0, VALUE_WORDS)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
@@ -366,8 +414,15 @@ def _decode_kernel(
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc_shift = tl.zeros([GROUP_PAD], tl.float32)  # sum of p * shift, the same for every column
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    # acc_<field>_<byte>: column w holds position field * VALUE_CHUNK + 4w + byte (the row's word w)
+    acc_0_0 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_0_1 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_0_2 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_0_3 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_1_0 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_1_1 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_1_2 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
+    acc_1_3 = tl.zeros([GROUP_PAD, VALUE_WORDS], tl.float32)
 
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
@@ -437,14 +492,20 @@ def _decode_kernel(
             alpha = tl.exp2(running_max - new_max)
             running_sum *= alpha
             acc_shift *= alpha
-            acc_0 *= alpha[:, None]
-            acc_1 *= alpha[:, None]
+            acc_0_0 *= alpha[:, None]
+            acc_0_1 *= alpha[:, None]
+            acc_0_2 *= alpha[:, None]
+            acc_0_3 *= alpha[:, None]
+            acc_1_0 *= alpha[:, None]
+            acc_1_1 *= alpha[:, None]
+            acc_1_2 *= alpha[:, None]
+            acc_1_3 *= alpha[:, None]
             running_max = new_max
         p = tl.exp2(scores - running_max[:, None])
         running_sum += tl.sum(p, axis=1)
 
         # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
+        value_words = tl.load(value_codes_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * VALUE_WORDS + value_word[None, :], mask=valid[:, None], other=0)
 
         value_scale = value_scale_raw.to(tl.float32)
         value_zero = value_zero_raw.to(tl.float32)
@@ -454,27 +515,32 @@ def _decode_kernel(
         weights = (p * value_scale[None, :]).to(DOT_DTYPE)
         acc_shift += tl.sum(p * value_shift[None, :], axis=1)
         if FAST_UNPACK:
-            tile_0, tile_1 = _unpack_u4(value_bytes_0_0)
-
-            acc_0 = tl.dot(weights, tile_0, acc_0)
-            acc_1 = tl.dot(weights, tile_1, acc_1)
+            tile_0_0, tile_0_1, tile_0_2, tile_0_3, tile_1_0, tile_1_1, tile_1_2, tile_1_3 = _unpack_u4_words(value_words)
+            acc_0_0 = tl.dot(weights, tile_0_0, acc_0_0)
+            acc_0_1 = tl.dot(weights, tile_0_1, acc_0_1)
+            acc_0_2 = tl.dot(weights, tile_0_2, acc_0_2)
+            acc_0_3 = tl.dot(weights, tile_0_3, acc_0_3)
+            acc_1_0 = tl.dot(weights, tile_1_0, acc_1_0)
+            acc_1_1 = tl.dot(weights, tile_1_1, acc_1_1)
+            acc_1_2 = tl.dot(weights, tile_1_2, acc_1_2)
+            acc_1_3 = tl.dot(weights, tile_1_3, acc_1_3)
         else:
-            value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
-            code = value_bytes_0_0 & 15
-
-            level = code.to(tl.float32)
-
-            tile = level
-
-            acc_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 4) & 15
-
-            level = code.to(tl.float32)
-
-            tile = level
-
-            acc_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1)
-
+            tile = (value_words & 15).to(tl.float32)
+            acc_0_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_0)
+            tile = ((value_words >> 8) & 15).to(tl.float32)
+            acc_0_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_1)
+            tile = ((value_words >> 16) & 15).to(tl.float32)
+            acc_0_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_2)
+            tile = ((value_words >> 24) & 15).to(tl.float32)
+            acc_0_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_3)
+            tile = ((value_words >> 4) & 15).to(tl.float32)
+            acc_1_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_0)
+            tile = ((value_words >> 12) & 15).to(tl.float32)
+            acc_1_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_1)
+            tile = ((value_words >> 20) & 15).to(tl.float32)
+            acc_1_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_2)
+            tile = ((value_words >> 28) & 15).to(tl.float32)
+            acc_1_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_3)
         row = row_next
         valid = valid_next
         key_scale_raw = key_scale_next
@@ -482,6 +548,9 @@ def _decode_kernel(
         value_scale_raw = value_scale_next
         value_zero_raw = value_zero_next
 
+    # Back to position order, a chunk at a time: byte b of word w is the chunk's column 4w + b.
+    acc_0 = tl.reshape(tl.join(tl.join(acc_0_0, acc_0_2), tl.join(acc_0_1, acc_0_3)), [GROUP_PAD, VALUE_CHUNK])
+    acc_1 = tl.reshape(tl.join(tl.join(acc_1_0, acc_1_2), tl.join(acc_1_1, acc_1_3)), [GROUP_PAD, VALUE_CHUNK])
     acc_0 += acc_shift[:, None]
     acc_1 += acc_shift[:, None]
     part = q_row * num_splits + split
@@ -879,6 +948,8 @@ def _check_cache(cache: KVCache) -> None:
             raise ValueError(f"cache.{name}: expected a contiguous {dtype} tensor on {cache.device}")
     if cache.key_meta.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
+    if cache.value_codes.data_ptr() % 4:
+        raise ValueError("cache.value_codes: decode reads it as 32-bit words; start it at a 4-byte aligned address (allocate_cache does)")
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:

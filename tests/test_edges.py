@@ -700,6 +700,29 @@ def test_fill_touches_only_its_slots(name):
 
 
 @pytest.mark.parametrize("name", SCHEMES)
+def test_misaligned_code_tensors_are_refused_or_read_alike(name):
+    """An engine may build a cache from tensors that start at any byte. Decode reads the V codes of the uniform
+    4-bit schemes as 32-bit words: there a misaligned value_codes must be refused by name; every other code tensor
+    must decode exactly as an aligned copy does."""
+    m = generated(name)
+    cache = m.allocate_cache(NB1, BS1, H1, D, device=DEVICE)
+    a = _ok()
+    m.fill(cache, a["key"], a["value"], a["slot_mapping"])
+    want = m.decode(a["query"], cache, a["block_tables"], a["seq_lens"])
+    words = hasattr(m, "_unpack_u4_words")
+    for field in ("key_codes", "value_codes"):
+        t = getattr(cache, field)
+        shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)[1:].view(t.shape)
+        shifted.copy_(t)
+        odd = dataclasses.replace(cache, **{field: shifted})
+        if words and field == "value_codes":
+            with pytest.raises(ValueError, match=rf"^cache\.{field}: .*4-byte aligned"):
+                m.decode(a["query"], odd, a["block_tables"], a["seq_lens"])
+        else:
+            assert torch.equal(m.decode(a["query"], odd, a["block_tables"], a["seq_lens"]), want), field
+
+
+@pytest.mark.parametrize("name", SCHEMES)
 def test_bytes_per_token_is_the_whole_cache(name):
     m = generated(name)
     # Nothing hidden beside the four tensors.

@@ -95,8 +95,8 @@ _FILL_BLOCK_T = 64
 _FILL_PROGRAMS_PER_SM = 8
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
-_DECODE_CONFIGS = {64: (32, 1, 2, 32, 256), 128: (32, 1, 3, 16, 128)}
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3, session 10, for turbo_k4mse_v2 (same code formats): this scheme takes its entries and was not swept itself.
+_DECODE_CONFIGS = {64: (32, 1, 2, 32, 256), 128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).

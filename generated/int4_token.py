@@ -949,7 +949,7 @@ def _check_cache(cache: KVCache) -> None:
     if cache.key_meta.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
     if cache.value_codes.data_ptr() % 4:
-        raise ValueError("cache.value_codes: decode reads it as 32-bit words; start it at a 4-byte aligned address (allocate_cache does)")
+        raise ValueError("cache.value_codes: must start at a 4-byte aligned address (decode reads it as 32-bit words; allocate_cache's tensors do)")
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:

@@ -274,6 +274,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
@@ -281,6 +282,10 @@ def _decode_kernel(
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
     unnormalized output go to scratch for `_decode_reduce_kernel`.
     """
+    if PDL:
+        # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
+        # for its writes (the query, the cache) before the first load.
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -395,8 +400,11 @@ def _decode_reduce_kernel(
     NUM_Q_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head); the output stays in position order."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch is the kernels before this one's
     q_row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
@@ -652,6 +660,7 @@ def decode(
         scale = 1.0 / math.sqrt(head_dim)
     tables = _tables(head_dim, cache.device)
     group = num_q_heads // cache.num_kv_heads
+    pdl = _dependent_launch(cache.device)
 
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
     q = q.contiguous()
@@ -693,26 +702,29 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=register_cap[0] if register_cap else None,
+        launch_pdl=pdl,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
+        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32
+    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32, pdl=False
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
         partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 
@@ -736,6 +748,15 @@ def _target_programs(device: torch.device, per_sm: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
+    interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
+    waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
+    0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
+    return device.type == "cuda" and not _INTERPRET and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _checking(device: torch.device) -> bool:

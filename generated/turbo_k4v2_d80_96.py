@@ -215,6 +215,8 @@ def _fill_kernel(
     code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
     centroid = tl.where(upper, centroid, -centroid)
     residual_0 = tl.where(key_in[None, :], unit - centroid, 0.0)  # padding has no residual
+    code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
+    residual_square = tl.sum(residual_0 * residual_0, axis=1)
     unit = x_1 * inverse[:, None]
     magnitude = tl.abs(unit)
     code_1 = tl.zeros(unit.shape, tl.int32)
@@ -232,9 +234,9 @@ def _fill_kernel(
     code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
     centroid = tl.where(upper, centroid, -centroid)
     residual_1 = tl.where(key_in[None, :], unit - centroid, 0.0)  # padding has no residual
-    code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
     code_1 = code_1 | ((residual_1 >= 0).to(tl.int32) << 3)
-    residual_rms = tl.sqrt((tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)) / HEAD_DIM)
+    residual_square += tl.sum(residual_1 * residual_1, axis=1)
+    residual_rms = tl.sqrt(residual_square / HEAD_DIM)
     packed = ((code_0) & 15) | ((code_1) & 15) << 4
     tl.store(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None] & key_in[None, :])
 
@@ -569,6 +571,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
@@ -576,6 +579,10 @@ def _decode_kernel(
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
     unnormalized output go to scratch for `_decode_reduce_kernel`.
     """
+    if PDL:
+        # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
+        # for its writes (the query, the cache) before the first load.
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -768,8 +775,11 @@ def _decode_reduce_kernel(
     NUM_Q_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head); the output stays in position order."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch is the kernels before this one's
     q_row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
@@ -1116,6 +1126,7 @@ def decode(
         scale = 1.0 / math.sqrt(head_dim)
     tables = _tables(head_dim, cache.device)
     group = num_q_heads // cache.num_kv_heads
+    pdl = _dependent_launch(cache.device)
 
     q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
     width = triton.next_power_of_2(head_dim)  # position space: each chunk padded to a power of two
@@ -1166,13 +1177,15 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=register_cap[0] if register_cap else None,
+        launch_pdl=pdl,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads,
+        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl,
     )
     out = reduce(partial_out)
     out = out @ tables["value_rotation"]  # back to the input basis, once
@@ -1181,13 +1194,14 @@ def decode(
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32
+    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32, pdl=False
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     _decode_reduce_kernel[(rows,)](
         partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 
@@ -1211,6 +1225,15 @@ def _target_programs(device: torch.device, per_sm: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
+    interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
+    waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
+    0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
+    return device.type == "cuda" and not _INTERPRET and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _checking(device: torch.device) -> bool:

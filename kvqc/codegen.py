@@ -78,7 +78,8 @@ DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
 def decode_tuning(name: str) -> dict:
-    """The decode launch table for one scheme, as the module template renders it (see `kvqc tune`)."""
+    """The decode launch table for one scheme, and its fill's register cap, as the module template renders them
+    (see `kvqc tune`)."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
@@ -88,7 +89,9 @@ def decode_tuning(name: str) -> dict:
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])
-    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy}
+    fill_registers = table.get("fill_registers", {}).get(name)
+    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
+            "fill_registers": None if fill_registers is None else int(fill_registers)}
 
 
 def render(scheme: Scheme) -> str:

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from conftest import DEVICE, ROOT, SCHEMES, generated
+from conftest import ALL_SCHEMES, DEVICE, ROOT, SCHEMES, generated
 
 D = 128  # head_dim in every test here; a scheme not built for 128 uses its largest (the fixture below)
 FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
@@ -913,3 +913,20 @@ def test_assembled_cache_with_wrong_layout_is_refused(name):
         with pytest.raises(ValueError, match=field):
             m.fill(cache, key, key, slots)
     m.fill(good, key, key, slots)  # the untouched cache still works
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_dependently_launched_kernels_wait_before_their_first_load(name):
+    """A kernel launched with programmatic dependent launch may start while the kernel before it still runs: it must
+    wait (griddepcontrol.wait) before it reads anything that kernel may write. On the CPU no launch asks for it."""
+    import inspect
+
+    m = generated(name)
+    gated = [k for k in ("_decode_kernel", "_decode_reduce_kernel", "_rotate_query_kernel")
+             if hasattr(m, k) and "PDL" in getattr(m, k).arg_names]
+    assert "_decode_kernel" in gated and "_decode_reduce_kernel" in gated
+    for k in gated:
+        body = inspect.getsource(getattr(m, k).fn).split('"""')[-1]  # past the docstring
+        wait, load = body.find("tl.extra.cuda.gdc_wait()"), body.find("tl.load(")
+        assert 0 <= wait < load, f"{k}: the first load comes before the wait"
+    assert m._dependent_launch(torch.device("cpu")) is False

@@ -128,3 +128,38 @@ def test_lazy_rescale_list_renders_into_the_module(tmp_path, monkeypatch):
     # A sweep leaves the list alone.
     tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
     assert json.loads(path.read_text(encoding="utf-8"))["lazy_rescale"] == ["some_scheme"]
+
+
+def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
+    path = tmp_path / "decode_tuning.json"
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
+    table["fill_registers"] = {"some_scheme": 144}
+    path.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    assert codegen.decode_tuning("some_scheme")["fill_registers"] == 144
+    assert codegen.decode_tuning("int4_token")["fill_registers"] is None
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": 144}
+
+
+def test_looping_fill_launches_with_the_register_cap(monkeypatch):
+    """A fill of several tiles a program passes the module's cap as maxnreg (with 2 stages) and writes what the
+    reference writes; a one-tile fill, as a decode step's, launches without either."""
+    import torch
+    from conftest import DEVICE
+    from test_kernels import check_fill, make_case, snapshot
+
+    case = make_case("turbo_k4v2", 128, 16, 1, [100, 90], torch.float16, seed=7)  # 193 tokens: 4 tiles of 64
+    m = case.module
+    assert m._FILL_MAX_REGISTERS == json.loads(codegen.DECODE_TUNING.read_text())["fill_registers"]["turbo_k4v2"]
+    spy = LaunchSpy(m._fill_kernel)
+    monkeypatch.setattr(m, "_fill_kernel", spy)
+    before = snapshot(case.cache)
+    m.fill(case.cache, case.key, case.value, case.slot_mapping)
+    check_fill(case, before)
+    one = case.key[:5]
+    m.fill(case.cache, one, one, torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
+    looping, single = spy.launches
+    # The interpreter counts 2 programs: 4 tiles make 2 a program.
+    assert looping["TILES"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS and looping["num_stages"] == 2
+    assert single["TILES"] == 1 and "maxnreg" not in single and "num_stages" not in single

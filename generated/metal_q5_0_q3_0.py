@@ -1648,7 +1648,7 @@ def _decode_reduce_kernel(
 ):
     """Merge the splits of one (sequence, query head) and rotate the result back to the input basis."""
     if PDL:
-        tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch is the kernels before this one's
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch comes from the kernels before it
     q_row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
@@ -2006,7 +2006,8 @@ def decode(
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32, pdl=False
+    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32,
+    pdl=False,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
@@ -2046,7 +2047,9 @@ def _dependent_launch(device: torch.device) -> bool:
     interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
     waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
     0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
-    return device.type == "cuda" and not _INTERPRET and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda" or _INTERPRET or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _checking(device: torch.device) -> bool:

@@ -95,8 +95,10 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, docs/benchmarks.md).
 _LAZY_RESCALE = False
-# Decode unpacks codes with inline PTX where the format has a helper: compiled CUDA only (not the interpreter, not HIP).
-_FAST_UNPACK = not _INTERPRET and torch.version.hip is None
+# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
+_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# Decode unpacks codes with inline PTX where the format has a helper.
+_FAST_UNPACK = _COMPILED_CUDA
 
 
 @triton.jit
@@ -1484,9 +1486,7 @@ def _dependent_launch(device: torch.device) -> bool:
     interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
     waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
     0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
-    if device.type != "cuda" or _INTERPRET or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and _COMPILED_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _checking(device: torch.device) -> bool:

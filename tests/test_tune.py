@@ -151,7 +151,7 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
 
     case = make_case("turbo_k4v2", 128, 16, 1, [100, 90], torch.float16, seed=7)  # 193 tokens: 4 tiles of 64
     m = case.module
-    assert m._FILL_MAX_REGISTERS == json.loads(codegen.DECODE_TUNING.read_text())["fill_registers"]["turbo_k4v2"]
+    assert m._FILL_MAX_REGISTERS == codegen.decode_tuning("turbo_k4v2")["fill_registers"]
     spy = LaunchSpy(m._fill_kernel)
     monkeypatch.setattr(m, "_fill_kernel", spy)
     before = snapshot(case.cache)

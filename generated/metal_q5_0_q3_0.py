@@ -82,10 +82,13 @@ _FILL_BLOCK_T = 64
 # turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
 # turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
 # and 35%.
-_FILL_PROGRAMS_PER_SM = 8
 # Registers per thread of the looping fill: a cap that lets one more program reside per SM, where it measured faster
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
+# Looping fill programs per SM (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large
+# fill is one wave (H100, turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5% of copy bandwidth at 8 per SM, 2.6
+# waves; 63.5% at 3); `fill_programs` in templates/decode_tuning.json where another count measured faster.
+_FILL_PROGRAMS_PER_SM = 8
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
@@ -127,6 +130,33 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _symmetric_cell_4(value, b1, b2, b3):
+    """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
+    positive boundaries b1 < ... < b3 below |value|."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred up, past;
+        .reg .f32 mag;
+        abs.f32 mag, $1;
+        setp.gt.f32 up, $1, 0f00000000;
+        mov.b32 $0, 4;
+        setp.gt.f32 past, mag, $2;
+        @past add.s32 $0, $0, 1;
+        setp.gt.f32 past, mag, $3;
+        @past add.s32 $0, $0, 1;
+        setp.gt.f32 past, mag, $4;
+        @past add.s32 $0, $0, 1;
+        @!up mad.lo.s32 $0, $0, -1, 7;
+        }""",
+        constraints="=r,r,r,r,r",
+        args=[value, b1, b2, b3],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _fill_kernel(
     key_ptr,
     value_ptr,
@@ -145,14 +175,15 @@ def _fill_kernel(
     stride_key_head,
     stride_value_token,
     stride_value_head,
+    tiles,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FAST_CELL: tl.constexpr,
 ):
-    """Quantize TILES consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. The
-    loop has a constant trip count, so Triton loads the next tile's rows (cp.async) while this one is quantized."""
+    """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
+    pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
     head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
@@ -160,8 +191,8 @@ def _fill_kernel(
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
-    for i in range(TILES):
-        token = (tl.program_id(0) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+    for i in range(tiles):
+        token = (tl.program_id(0) * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
@@ -522,93 +553,117 @@ def _fill_kernel(
         value_b6 = tl.load(value_boundaries_ptr + 6)
 
         unit = x_0 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_0 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_0 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_0 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_0 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
+        if FAST_CELL:
+            code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_0 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_0 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_0 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_0 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
         unit = x_1 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_1 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_1 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_1 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_1 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
+        if FAST_CELL:
+            code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_1 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_1 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_1 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_1 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
         unit = x_2 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_2 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_2 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_2 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_2 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
+        if FAST_CELL:
+            code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_2 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_2 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_2 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_2 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
         unit = x_3 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_3 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_3 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_3 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_3 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
+        if FAST_CELL:
+            code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_3 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_3 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_3 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_3 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
         unit = x_4 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_4 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_4 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_4 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_4 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
+        if FAST_CELL:
+            code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_4 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_4 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_4 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_4 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
         unit = x_5 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_5 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_5 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_5 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_5 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
+        if FAST_CELL:
+            code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_5 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_5 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_5 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_5 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
         unit = x_6 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_6 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_6 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_6 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_6 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
+        if FAST_CELL:
+            code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_6 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_6 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_6 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_6 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
         unit = x_7 * inverse[:, None]
-        magnitude = tl.abs(unit)
-        code_7 = tl.zeros(unit.shape, tl.int32)
-        beyond = magnitude > value_b4
-        code_7 += beyond.to(tl.int32)
-        beyond = magnitude > value_b5
-        code_7 += beyond.to(tl.int32)
-        beyond = magnitude > value_b6
-        code_7 += beyond.to(tl.int32)
-        upper = unit > 0
-        code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
+        if FAST_CELL:
+            code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+        else:
+            magnitude = tl.abs(unit)
+            code_7 = tl.zeros(unit.shape, tl.int32)
+            beyond = magnitude > value_b4
+            code_7 += beyond.to(tl.int32)
+            beyond = magnitude > value_b5
+            code_7 += beyond.to(tl.int32)
+            beyond = magnitude > value_b6
+            code_7 += beyond.to(tl.int32)
+            upper = unit > 0
+            code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
         packed = ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4 | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
         tl.store(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None])
         packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
@@ -1819,10 +1874,10 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
     if num_tokens == 0:
         return
     tables = _tables(cache.head_dim, cache.device)
-    # A power-of-two tile count per program keeps the compiled variants few (one per bucket).
+    # One wave: each program loops over an equal share of the tiles (a runtime count, so any share compiles once).
     num_tiles = triton.cdiv(num_tokens, _FILL_BLOCK_T)
     programs = max(1, _target_programs(cache.device, _FILL_PROGRAMS_PER_SM) // cache.num_kv_heads)
-    tiles = triton.next_power_of_2(triton.cdiv(num_tiles, programs))
+    tiles = triton.cdiv(num_tiles, programs)
     grid = (triton.cdiv(num_tiles, tiles), cache.num_kv_heads)
     _fill_kernel[grid](
         key,
@@ -1842,11 +1897,12 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        tiles=tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        TILES=tiles,
         DOT_PRECISION=_DOT_PRECISION,
+        FAST_CELL=_COMPILED_CUDA,
         # Several tiles a program: 2 stages (H100, turbo_k4v2, 8 x 32k: 52% of copy bandwidth, 43% at 3) and the
         # register cap. One tile (a decode step's few tokens): launched as without the loop.
         **({"num_stages": 2, "maxnreg": _FILL_MAX_REGISTERS} if tiles > 1 else {}),

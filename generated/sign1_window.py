@@ -94,10 +94,13 @@ _FILL_BLOCK_T = 64
 # turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
 # turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
 # and 35%.
-_FILL_PROGRAMS_PER_SM = 8
 # Registers per thread of the looping fill: a cap that lets one more program reside per SM, where it measured faster
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
+# Looping fill programs per SM (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large
+# fill is one wave (H100, turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5% of copy bandwidth at 8 per SM, 2.6
+# waves; 63.5% at 3); `fill_programs` in templates/decode_tuning.json where another count measured faster.
+_FILL_PROGRAMS_PER_SM = 8
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 8/32, context 32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
@@ -159,21 +162,21 @@ def _fill_kernel(
     stride_key_head,
     stride_value_token,
     stride_value_head,
+    tiles,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Quantize TILES consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. The
-    loop has a constant trip count, so Triton loads the next tile's rows (cp.async) while this one is quantized."""
+    """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
+    pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
     head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
-    for i in range(TILES):
-        token = (tl.program_id(0) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+    for i in range(tiles):
+        token = (tl.program_id(0) * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
@@ -1578,10 +1581,10 @@ def fill(
     if num_tokens == 0:
         return
     tables = _tables(cache.head_dim, cache.device)
-    # A power-of-two tile count per program keeps the compiled variants few (one per bucket).
+    # One wave: each program loops over an equal share of the tiles (a runtime count, so any share compiles once).
     num_tiles = triton.cdiv(num_tokens, _FILL_BLOCK_T)
     programs = max(1, _target_programs(cache.device, _FILL_PROGRAMS_PER_SM) // cache.num_kv_heads)
-    tiles = triton.next_power_of_2(triton.cdiv(num_tiles, programs))
+    tiles = triton.cdiv(num_tiles, programs)
     grid = (triton.cdiv(num_tiles, tiles), cache.num_kv_heads)
     _fill_kernel[grid](
         key,
@@ -1603,10 +1606,10 @@ def fill(
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        tiles=tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        TILES=tiles,
         DOT_PRECISION=_DOT_PRECISION,
         # Several tiles a program: 2 stages (H100, turbo_k4v2, 8 x 32k: 52% of copy bandwidth, 43% at 3) and the
         # register cap. One tile (a decode step's few tokens): launched as without the loop.

@@ -90,8 +90,14 @@ def decode_tuning(name: str) -> dict:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])
     fill_registers = table.get("fill_registers", {}).get(name)
+    fill_registers = None if fill_registers is None else int(fill_registers)
+    # Looping fill programs per SM: the table's, else as many as fit under the cap (65536 registers over 4 warps of
+    # 32 threads: one wave for a large fill), else 8.
+    fill_programs = table.get("fill_programs", {}).get(name)
+    if fill_programs is None:
+        fill_programs = 65536 // (fill_registers * 128) if fill_registers else 8
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
-            "fill_registers": None if fill_registers is None else int(fill_registers)}
+            "fill_registers": fill_registers, "fill_programs": int(fill_programs)}
 
 
 def render(scheme: Scheme) -> str:

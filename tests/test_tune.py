@@ -142,6 +142,22 @@ def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
     assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": 144}
 
 
+def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_path, monkeypatch):
+    """As many looping fill programs per SM as fit under the cap (one wave), the table's count where it names one,
+    8 without a cap; a sweep keeps the table's counts."""
+    path = tmp_path / "decode_tuning.json"
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
+    table["fill_registers"] = {"capped": 168, "named": 128}
+    table["fill_programs"] = {"named": 6}
+    path.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    assert codegen.decode_tuning("capped")["fill_programs"] == 3  # 65536 // (168 * 128)
+    assert codegen.decode_tuning("named")["fill_programs"] == 6
+    assert codegen.decode_tuning("int4_token")["fill_programs"] == 8
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    assert json.loads(path.read_text(encoding="utf-8"))["fill_programs"] == {"named": 6}
+
+
 def test_looping_fill_launches_with_the_register_cap(monkeypatch):
     """A fill of several tiles a program passes the module's cap as maxnreg (with 2 stages) and writes what the
     reference writes; a one-tile fill, as a decode step's, launches without either."""
@@ -161,5 +177,5 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
     m.fill(case.cache, one, one, torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
     looping, single = spy.launches
     # The interpreter counts 2 programs: 4 tiles make 2 a program.
-    assert looping["TILES"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS and looping["num_stages"] == 2
-    assert single["TILES"] == 1 and "maxnreg" not in single and "num_stages" not in single
+    assert looping["tiles"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS and looping["num_stages"] == 2
+    assert single["tiles"] == 1 and "maxnreg" not in single and "num_stages" not in single

@@ -87,14 +87,13 @@ _FILL_BLOCK_T = 64
 # of copy bandwidth from one tile a program to 4 / 8 programs per SM: turbo_k4v2 41.6% -> 51.7 / 50.5%,
 # turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
 # turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
-# and 35%.
+# and 35%. Since session 12 (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large fill is
+# one wave (turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5-58.9% at 8 per SM, 2.6 waves; 63.1-63.8% at 3);
+# `fill_programs` in templates/decode_tuning.json where another count measured faster.
+_FILL_PROGRAMS_PER_SM = 8
 # Registers per thread of the looping fill: a cap that lets one more program reside per SM, where it measured faster
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
-# Looping fill programs per SM (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large
-# fill is one wave (H100, turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5% of copy bandwidth at 8 per SM, 2.6
-# waves; 63.5% at 3); `fill_programs` in templates/decode_tuning.json where another count measured faster.
-_FILL_PROGRAMS_PER_SM = 8
 _FLATTEN_BLOCK_T = 64
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
@@ -361,7 +360,6 @@ def _fill_kernel(
         unit = x_0 * inverse[:, None]
         if FAST_CELL:
             code_0, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_0 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_0 = tl.zeros(unit.shape, tl.int32)
@@ -372,11 +370,10 @@ def _fill_kernel(
             upper = unit > 0
             code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_0 = unit - centroid
+        residual_0 = unit - centroid
         unit = x_1 * inverse[:, None]
         if FAST_CELL:
             code_1, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_1 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_1 = tl.zeros(unit.shape, tl.int32)
@@ -387,11 +384,10 @@ def _fill_kernel(
             upper = unit > 0
             code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_1 = unit - centroid
+        residual_1 = unit - centroid
         unit = x_2 * inverse[:, None]
         if FAST_CELL:
             code_2, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_2 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_2 = tl.zeros(unit.shape, tl.int32)
@@ -402,11 +398,10 @@ def _fill_kernel(
             upper = unit > 0
             code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_2 = unit - centroid
+        residual_2 = unit - centroid
         unit = x_3 * inverse[:, None]
         if FAST_CELL:
             code_3, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_3 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_3 = tl.zeros(unit.shape, tl.int32)
@@ -417,11 +412,10 @@ def _fill_kernel(
             upper = unit > 0
             code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_3 = unit - centroid
+        residual_3 = unit - centroid
         unit = x_4 * inverse[:, None]
         if FAST_CELL:
             code_4, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_4 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_4 = tl.zeros(unit.shape, tl.int32)
@@ -432,11 +426,10 @@ def _fill_kernel(
             upper = unit > 0
             code_4 = tl.where(upper, 2 + code_4, 1 - code_4)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_4 = unit - centroid
+        residual_4 = unit - centroid
         unit = x_5 * inverse[:, None]
         if FAST_CELL:
             code_5, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_5 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_5 = tl.zeros(unit.shape, tl.int32)
@@ -447,11 +440,10 @@ def _fill_kernel(
             upper = unit > 0
             code_5 = tl.where(upper, 2 + code_5, 1 - code_5)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_5 = unit - centroid
+        residual_5 = unit - centroid
         unit = x_6 * inverse[:, None]
         if FAST_CELL:
             code_6, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_6 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_6 = tl.zeros(unit.shape, tl.int32)
@@ -462,11 +454,10 @@ def _fill_kernel(
             upper = unit > 0
             code_6 = tl.where(upper, 2 + code_6, 1 - code_6)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_6 = unit - centroid
+        residual_6 = unit - centroid
         unit = x_7 * inverse[:, None]
         if FAST_CELL:
             code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-            residual_7 = unit - centroid
         else:
             magnitude = tl.abs(unit)
             code_7 = tl.zeros(unit.shape, tl.int32)
@@ -477,7 +468,7 @@ def _fill_kernel(
             upper = unit > 0
             code_7 = tl.where(upper, 2 + code_7, 1 - code_7)
             centroid = tl.where(upper, centroid, -centroid)
-            residual_7 = unit - centroid
+        residual_7 = unit - centroid
         # The sign of S r, one projected coordinate per position: S is applied block by block, KEY_CHUNK x KEY_CHUNK.
         projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
         qjl = tl.load(key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :])
@@ -2243,7 +2234,7 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
     if num_tokens == 0:
         return
     tables = _tables(cache.head_dim, cache.device)
-    # One wave: each program loops over an equal share of the tiles (a runtime count, so any share compiles once).
+    # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
     num_tiles = triton.cdiv(num_tokens, _FILL_BLOCK_T)
     programs = max(1, _target_programs(cache.device, _FILL_PROGRAMS_PER_SM) // cache.num_kv_heads)
     tiles = triton.cdiv(num_tiles, programs)

@@ -1254,11 +1254,12 @@ if gluon is not None:
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [both], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _gluon_rows(block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
-                    key_token, value_token, score_token, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
-        """Cache rows of the tile at start, and which are real, in the three layouts the kernel reads them in. A tile
-        inside one block (BLOCK_SIZE a multiple of BLOCK_N) reads its block id once."""
+    def _gluon_load_tile(block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
+                         key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token,
+                         value_word, score_token, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                         BLOCK_N: gl.constexpr):
+        """The tile at start: K and V code words, its metadata, and which of its tokens are real, each in the layout the
+        kernel reads it in. A tile inside one block (BLOCK_SIZE a multiple of BLOCK_N) reads its block id once."""
         if BLOCK_SIZE % BLOCK_N == 0:
             block = gl.load(block_tables_ptr + seq * stride_block_table + start // BLOCK_SIZE,
                             mask=(start < end) & (start // BLOCK_SIZE < max_blocks_per_seq), other=-1)
@@ -1279,7 +1280,13 @@ if gluon is not None:
             score_row, score_valid = _gluon_token_rows(block_tables_ptr, seq, stride_block_table, start + score_token,
                                                        end, max_blocks_per_seq, num_blocks, kv_head, NUM_KV_HEADS,
                                                        BLOCK_SIZE)
-        return key_row, key_valid, value_row, value_valid, score_row, score_valid
+        key_words = gl.load(key_words_ptr + key_row[:, None] * 16 + key_word[None, :], mask=key_valid[:, None], other=0)
+        key_rms = gl.load(key_meta_ptr + key_row * 2 + 1, mask=key_valid, other=0.0)
+        value_words = gl.load(value_words_ptr + value_row[:, None] * 8 + value_word[None, :], mask=value_valid[:, None],
+                              other=0)
+        key_norm = gl.load(key_meta_ptr + score_row * 2 + 0, mask=score_valid, other=0.0)
+        value_norm = gl.load(value_meta_ptr + score_row * 1 + 0, mask=score_valid, other=0.0)
+        return key_words, key_rms, value_words, key_norm, value_norm, score_valid
 
     @gluon.jit
     def _gluon_token_rows(block_tables_ptr, seq, stride_block_table, position, end, max_blocks_per_seq, num_blocks,
@@ -1403,33 +1410,24 @@ if gluon is not None:
         acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA)  # out^T: [nu, head]
         no_dots = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
 
-        key_row, key_valid, value_row, value_valid, score_row, valid_scores = _gluon_rows(
-            block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head, key_token,
-            value_token, score_token, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N)
-        key_words = gl.load(key_words_ptr + key_row[:, None] * 16 + key_word[None, :], mask=key_valid[:, None], other=0)
-        key_rms = gl.load(key_meta_ptr + key_row * 2 + 1, mask=key_valid, other=0.0)
-        value_words = gl.load(value_words_ptr + value_row[:, None] * 8 + value_word[None, :], mask=value_valid[:, None],
-                              other=0)
-        key_norm = gl.load(key_meta_ptr + score_row * 2 + 0, mask=valid_scores, other=0.0)
-        value_norm = gl.load(value_meta_ptr + score_row * 1 + 0, mask=valid_scores, other=0.0)
+        key_words, key_rms, value_words, key_norm, value_norm, valid_scores = _gluon_load_tile(
+            block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
+            key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token, value_word,
+            score_token, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N)
         for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
             # The next tile's loads first: they are in flight while this tile is unpacked and multiplied.
             position = start + offset + BLOCK_N
-            key_row, key_valid, value_row, value_valid, score_row, valid_next = _gluon_rows(
-                block_tables_ptr, seq, stride_block_table, position, end, max_blocks_per_seq, num_blocks, kv_head,
-                key_token, value_token, score_token, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N)
-            key_words_next = gl.load(key_words_ptr + key_row[:, None] * 16 + key_word[None, :],
-                                     mask=key_valid[:, None], other=0)
-            key_rms_next = gl.load(key_meta_ptr + key_row * 2 + 1, mask=key_valid, other=0.0)
-            value_words_next = gl.load(value_words_ptr + value_row[:, None] * 8 + value_word[None, :],
-                                       mask=value_valid[:, None], other=0)
-            key_norm_next = gl.load(key_meta_ptr + score_row * 2 + 0, mask=valid_next, other=0.0)
-            value_norm_next = gl.load(value_meta_ptr + score_row * 1 + 0, mask=valid_next, other=0.0)
+            key_words_next, key_rms_next, value_words_next, key_norm_next, value_norm_next, valid_next = (
+                _gluon_load_tile(
+                    block_tables_ptr, seq, stride_block_table, position, end, max_blocks_per_seq, num_blocks, kv_head,
+                    key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token,
+                    value_word, score_token, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N))
 
             rms = gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [key_rms], dtype=gl.int32, is_pure=True,
                                             pack=1)  # the token's rms as an fp16 pair
             rms = gl.broadcast(rms[:, None], key_words)[0]
-            low01, low23, high01, high23 = _gluon_key_words(key_words, rms, key_lut_0, key_lut_1, key_lut_2, key_lut_3)
+            low01, low23, high01, high23 = _gluon_key_words(
+                key_words, rms, key_lut_0, key_lut_1, key_lut_2, key_lut_3)
             low = gl.join(_gluon_halves(low01), _gluon_halves(low23))         # [token, word, b0, b1]
             high = gl.join(_gluon_halves(high01), _gluon_halves(high23))
             tile = gl.reshape(gl.join(low, high), [BLOCK_N, 4, 4, 2, 2, 2])  # [token, t, w, b0, b1, nibble]

@@ -14,6 +14,10 @@ Cache per token and KV head at head_dim 128: 186 bytes with 16-bit metadata
     key, value = flatten(cache, block_tables, seq_lens) # contiguous, in the input basis
     out = attend(query, cache, block_tables, seq_lens, query_start_loc)  # several new tokens per sequence
 
+allocate_cache's blocks are head-major ('bhsd': [num_blocks, num_kv_heads, block_size, ...]), so that each KV head's
+tokens of a block are one run of memory; an engine's own token-major tensors ('bshd') are read in place with
+KVCache(..., layout="bshd").
+
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
 """
@@ -176,6 +180,9 @@ def _fill_kernel(
     stride_value_head,
     tiles,
     NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -194,7 +201,7 @@ def _fill_kernel(
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
-        row = slot * NUM_KV_HEADS + head
+        row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
 
         # key
         key_input_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
@@ -502,6 +509,8 @@ def _flatten_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -521,7 +530,7 @@ def _flatten_kernel(
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
     # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
     # per side.
@@ -863,6 +872,8 @@ def _decode_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -927,7 +938,7 @@ def _decode_kernel(
     position = start + token
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     valid = (position < end) & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
 
     value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
 
@@ -937,7 +948,7 @@ def _decode_kernel(
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
 
         value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
@@ -1214,11 +1225,16 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.flo
 if _INTERPRET:
     _DOT_DTYPES = dict.fromkeys(_DOT_DTYPES, tl.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# The cache layouts the kernels read: head-major blocks [num_blocks, num_kv_heads, block_size, ...] (each KV head's
+# tokens of a block contiguous: one program reads one run of memory; allocate_cache's) or token-major blocks
+# [num_blocks, block_size, num_kv_heads, ...] (LMDeploy's and vLLM's default, so an engine's own tensors can be used).
+LAYOUTS = ("bhsd", "bshd")
 
 
 @dataclass
 class KVCache:
-    """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
+    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
+    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
     key_codes: uint8, last dim head_dim * 8 / 8 (bit planes 8, split packing)
     key_meta:  model dtype, last dim 1 * head_dim / 32: scale per group of 32 channels
@@ -1231,6 +1247,7 @@ class KVCache:
     value_codes: torch.Tensor
     value_meta: torch.Tensor
     head_dim: int
+    layout: str
 
     @property
     def num_blocks(self) -> int:
@@ -1238,11 +1255,11 @@ class KVCache:
 
     @property
     def block_size(self) -> int:
-        return self.key_codes.shape[1]
+        return self.key_codes.shape[2 if self.layout == "bhsd" else 1]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_codes.shape[2]
+        return self.key_codes.shape[1 if self.layout == "bhsd" else 2]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -1273,21 +1290,29 @@ def allocate_cache(
     head_dim: int,
     device: "str | torch.device" = "cuda",
     dtype: torch.dtype = torch.float16,
+    layout: str = "bhsd",
 ) -> KVCache:
-    """Zeroed cache tensors; `dtype` is the model dtype, used for the metadata and for flatten's output."""
+    """Zeroed cache tensors; `dtype` is the model dtype, used for the metadata and for flatten's output.
+
+    layout: 'bhsd' (head-major blocks, the faster: decode, fill and flatten read each KV head's tokens of a block
+    as one run) or 'bshd' (token-major blocks, the layout LMDeploy and vLLM give their own kernels).
+    """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     _check_head_dim(head_dim, "head_dim")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
-    shape = (num_blocks, block_size, num_kv_heads)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    shape = (num_blocks, num_kv_heads, block_size) if layout == "bhsd" else (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
         key_meta=torch.zeros(*shape, _meta_width("key", head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
         value_meta=torch.zeros(*shape, _meta_width("value", head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
+        layout=layout,
     )
 
 
@@ -1335,6 +1360,8 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value.stride(1),
         tiles=tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
+        BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
@@ -1398,6 +1425,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
     )
@@ -1480,6 +1508,7 @@ def decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
@@ -1553,9 +1582,19 @@ def _check_head_dim(head_dim: int, name: str) -> None:
         raise ValueError(f"{name}: {SCHEME['name']} is built for head_dim in {HEAD_DIMS}, got {head_dim!r}")
 
 
+def _row_strides(cache: KVCache) -> dict:
+    """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
+    row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
+    if cache.layout == "bhsd":
+        return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
+    return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
 def _check_cache(cache: KVCache) -> None:
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
+    if cache.layout not in LAYOUTS:
+        raise ValueError(f"cache.layout: expected one of {LAYOUTS}, got {cache.layout!r}")
     if cache.device.type == "cpu" and not _INTERPRET:
         raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
     # A cache an engine assembled from its own tensors must have exactly this layout, or kernels would write

@@ -18,6 +18,10 @@ reads them from there.
     key, value = flatten(cache, block_tables, seq_lens, window_index)     # contiguous, in the input basis
     out = attend(query, cache, block_tables, seq_lens, query_start_loc, window_index)  # several per sequence
 
+allocate_cache's blocks are head-major ('bhsd': [num_blocks, num_kv_heads, block_size, ...]), so that each KV head's
+tokens of a block are one run of memory; an engine's own token-major tensors ('bshd') are read in place with
+KVCache(..., layout="bshd").
+
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
 """
@@ -163,6 +167,9 @@ def _fill_kernel(
     stride_value_head,
     tiles,
     NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -179,7 +186,7 @@ def _fill_kernel(
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
-        row = slot * NUM_KV_HEADS + head
+        row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
 
         # key
         key_input_0 = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :], mask=valid[:, None], other=0.0)
@@ -511,6 +518,8 @@ def _flatten_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -529,7 +538,7 @@ def _flatten_kernel(
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
     # The last 64 tokens are copied from the ring as they were given, not dequantized.
     ring = tl.load(window_index_ptr + seq).to(tl.int64)
@@ -990,6 +999,8 @@ def _decode_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -1064,7 +1075,7 @@ def _decode_kernel(
     position = start + token
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     valid = (position < end) & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     key_norm_raw = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
 
     value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
@@ -1075,7 +1086,7 @@ def _decode_kernel(
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
         key_norm_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
         value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
@@ -1447,11 +1458,16 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.flo
 if _INTERPRET:
     _DOT_DTYPES = dict.fromkeys(_DOT_DTYPES, tl.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# The cache layouts the kernels read: head-major blocks [num_blocks, num_kv_heads, block_size, ...] (each KV head's
+# tokens of a block contiguous: one program reads one run of memory; allocate_cache's) or token-major blocks
+# [num_blocks, block_size, num_kv_heads, ...] (LMDeploy's and vLLM's default, so an engine's own tensors can be used).
+LAYOUTS = ("bhsd", "bshd")
 
 
 @dataclass
 class KVCache:
-    """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
+    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
+    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
     key_codes: uint8, last dim head_dim * 1 / 8 (bit planes 1, split packing)
     key_meta:  model dtype, last dim 1: norm
@@ -1466,6 +1482,7 @@ class KVCache:
     value_codes: torch.Tensor
     value_meta: torch.Tensor
     head_dim: int
+    layout: str
     key_window: torch.Tensor
     value_window: torch.Tensor
 
@@ -1479,11 +1496,11 @@ class KVCache:
 
     @property
     def block_size(self) -> int:
-        return self.key_codes.shape[1]
+        return self.key_codes.shape[2 if self.layout == "bhsd" else 1]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_codes.shape[2]
+        return self.key_codes.shape[1 if self.layout == "bhsd" else 2]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -1521,11 +1538,14 @@ def allocate_cache(
     device: "str | torch.device" = "cuda",
     dtype: torch.dtype = torch.float16,
     max_seqs: "int | None" = None,
+    layout: str = "bhsd",
 ) -> KVCache:
     """Zeroed cache tensors; `dtype` is the model dtype, used for the metadata and for flatten's output.
 
     max_seqs: how many sequences can live at once (ring rows; fill, flatten and decode take each sequence's row
     as window_index).
+    layout: 'bhsd' (head-major blocks, the faster: decode, fill and flatten read each KV head's tokens of a block
+    as one run) or 'bshd' (token-major blocks, the layout LMDeploy and vLLM give their own kernels).
     """
     if max_seqs is None:
         raise ValueError(f"max_seqs: {SCHEME['name']} keeps each sequence's last {WINDOW} tokens in a ring; pass max_seqs, the most sequences alive at once")
@@ -1535,13 +1555,16 @@ def allocate_cache(
     _check_head_dim(head_dim, "head_dim")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
-    shape = (num_blocks, block_size, num_kv_heads)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    shape = (num_blocks, num_kv_heads, block_size) if layout == "bhsd" else (num_blocks, block_size, num_kv_heads)
     return KVCache(
         key_codes=torch.zeros(*shape, head_dim * KEY_CODE_BITS // 8, dtype=torch.uint8, device=device),
         key_meta=torch.zeros(*shape, _meta_width("key", head_dim), dtype=dtype, device=device),
         value_codes=torch.zeros(*shape, head_dim * VALUE_CODE_BITS // 8, dtype=torch.uint8, device=device),
         value_meta=torch.zeros(*shape, _meta_width("value", head_dim), dtype=dtype, device=device),
         head_dim=head_dim,
+        layout=layout,
         key_window=torch.zeros(max_seqs, WINDOW, num_kv_heads, head_dim, dtype=dtype, device=device),
         value_window=torch.zeros(max_seqs, WINDOW, num_kv_heads, head_dim, dtype=dtype, device=device),
     )
@@ -1607,6 +1630,8 @@ def fill(
         value.stride(1),
         tiles=tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
+        BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
@@ -1727,6 +1752,7 @@ def flatten(
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
     )
@@ -1816,6 +1842,7 @@ def decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
@@ -1912,9 +1939,19 @@ def _check_head_dim(head_dim: int, name: str) -> None:
         raise ValueError(f"{name}: {SCHEME['name']} is built for head_dim in {HEAD_DIMS}, got {head_dim!r}")
 
 
+def _row_strides(cache: KVCache) -> dict:
+    """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
+    row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
+    if cache.layout == "bhsd":
+        return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
+    return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
 def _check_cache(cache: KVCache) -> None:
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
+    if cache.layout not in LAYOUTS:
+        raise ValueError(f"cache.layout: expected one of {LAYOUTS}, got {cache.layout!r}")
     if cache.device.type == "cpu" and not _INTERPRET:
         raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
     # A cache an engine assembled from its own tensors must have exactly this layout, or kernels would write

@@ -17,6 +17,10 @@ Cache per token and KV head at head_dim 128: 88 bytes with 16-bit metadata
     key, value = flatten(cache, block_tables, seq_lens) # contiguous, in the input basis
     out = attend(query, cache, block_tables, seq_lens, query_start_loc)  # several new tokens per sequence
 
+allocate_cache's blocks are head-major ('bhsd': [num_blocks, num_kv_heads, block_size, ...]), so that each KV head's
+tokens of a block are one run of memory; an engine's own token-major tensors ('bshd') are read in place with
+KVCache(..., layout="bshd").
+
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
 on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
 """
@@ -246,6 +250,9 @@ def _fill_kernel(
     stride_value_token,
     stride_value_head,
     NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KEY_OUTLIER_DIM: tl.constexpr,
     KEY_OUTLIER_OFFSET: tl.constexpr,
@@ -281,7 +288,7 @@ def _fill_kernel(
     slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
     # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
     valid = (slot >= 0) & (slot < num_slots)
-    row = slot * NUM_KV_HEADS + head
+    row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
 
     # key_outlier
 
@@ -691,6 +698,8 @@ def _flatten_kernel(
     VALUE_OFFSET: tl.constexpr,
     VALUE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -719,7 +728,7 @@ def _flatten_kernel(
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
     out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
     # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
     # per side.
@@ -1180,6 +1189,8 @@ def _decode_kernel(
     VALUE_OFFSET: tl.constexpr,
     VALUE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -1314,7 +1325,7 @@ def _decode_kernel(
     position = start + token
     block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
     valid = (position < end) & (block >= 0) & (block < num_blocks)
-    row = (block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     key_outlier_norm_raw = tl.load(key_outlier_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
 
     key_norm_raw = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
@@ -1329,7 +1340,7 @@ def _decode_kernel(
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = (block_next.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
         key_outlier_norm_next = tl.load(key_outlier_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
         key_norm_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
@@ -1751,11 +1762,16 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.flo
 if _INTERPRET:
     _DOT_DTYPES = dict.fromkeys(_DOT_DTYPES, tl.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# The cache layouts the kernels read: head-major blocks [num_blocks, num_kv_heads, block_size, ...] (each KV head's
+# tokens of a block contiguous: one program reads one run of memory; allocate_cache's) or token-major blocks
+# [num_blocks, block_size, num_kv_heads, ...] (LMDeploy's and vLLM's default, so an engine's own tensors can be used).
+LAYOUTS = ("bhsd", "bshd")
 
 
 @dataclass
 class KVCache:
-    """One layer's paged cache in the engines' 'bshd' layout: [num_blocks, block_size, num_kv_heads, ...].
+    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
+    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
     key_outlier_codes: uint8, last dim its channels * 4 / 8 (bit planes 4, split packing)
     key_outlier_meta:  model dtype, last dim 1: norm
@@ -1776,6 +1792,7 @@ class KVCache:
     value_codes: torch.Tensor
     value_meta: torch.Tensor
     head_dim: int
+    layout: str
     key_outlier_codes: torch.Tensor
     key_outlier_meta: torch.Tensor
     value_outlier_codes: torch.Tensor
@@ -1789,11 +1806,11 @@ class KVCache:
 
     @property
     def block_size(self) -> int:
-        return self.key_codes.shape[1]
+        return self.key_codes.shape[2 if self.layout == "bhsd" else 1]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_codes.shape[2]
+        return self.key_codes.shape[1 if self.layout == "bhsd" else 2]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -1914,21 +1931,28 @@ def allocate_cache(
     head_dim: int,
     device: "str | torch.device" = "cuda",
     dtype: torch.dtype = torch.float16,
+    layout: str = "bhsd",
 ) -> KVCache:
-    """Zeroed cache tensors; `dtype` is the model dtype, used for the metadata and for flatten's output."""
+    """Zeroed cache tensors; `dtype` is the model dtype, used for the metadata and for flatten's output.
+
+    layout: 'bhsd' (head-major blocks, the faster: decode, fill and flatten read each KV head's tokens of a block
+    as one run) or 'bshd' (token-major blocks, the layout LMDeploy and vLLM give their own kernels).
+    """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     _check_head_dim(head_dim, "head_dim")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
-    shape = (num_blocks, block_size, num_kv_heads)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    shape = (num_blocks, num_kv_heads, block_size) if layout == "bhsd" else (num_blocks, block_size, num_kv_heads)
     dims = _part_dims(head_dim)
     tensors = {}
     for name, width in dims.items():
         tensors[f"{name}_codes"] = torch.zeros(*shape, width * _CODE_BITS[name] // 8, dtype=torch.uint8, device=device)
         tensors[f"{name}_meta"] = torch.zeros(*shape, _meta_width(name, head_dim), dtype=dtype, device=device)
-    return KVCache(head_dim=head_dim, **tensors)
+    return KVCache(head_dim=head_dim, layout=layout, **tensors)
 
 
 def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -1984,6 +2008,8 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         value.stride(0),
         value.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,
+        BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         HEAD_DIM=cache.head_dim,
         **_part_constexprs(cache.head_dim),
         BLOCK_T=_FILL_BLOCK_T,
@@ -2061,6 +2087,7 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         HEAD_DIM=cache.head_dim,
         **_part_constexprs(cache.head_dim),
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=_in_block(cache.head_dim, _FLATTEN_IN_BLOCK),
         DOT_PRECISION=_DOT_PRECISION,
@@ -2173,6 +2200,7 @@ def decode(
         HEAD_DIM=head_dim,
         **_part_constexprs(head_dim),
         BLOCK_SIZE=cache.block_size,
+        **_row_strides(cache),
         BLOCK_N=block_n,
         TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
@@ -2255,9 +2283,19 @@ def _check_head_dim(head_dim: int, name: str) -> None:
         raise ValueError(f"{name}: {SCHEME['name']} is built for head_dim in {HEAD_DIMS}, got {head_dim!r}")
 
 
+def _row_strides(cache: KVCache) -> dict:
+    """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
+    row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
+    if cache.layout == "bhsd":
+        return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
+    return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
 def _check_cache(cache: KVCache) -> None:
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
+    if cache.layout not in LAYOUTS:
+        raise ValueError(f"cache.layout: expected one of {LAYOUTS}, got {cache.layout!r}")
     if cache.device.type == "cpu" and not _INTERPRET:
         raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
     # A cache an engine assembled from its own tensors must have exactly this layout, or kernels would write
@@ -2270,8 +2308,8 @@ def _check_cache(cache: KVCache) -> None:
         expected.append((f"{side}_meta", cache.key_meta.dtype, _meta_width(side, cache.head_dim)))
     for base in ['key', 'value']:
         order = getattr(cache, f"{base}_channels")
-        if order is not None and (not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (rows[2], cache.head_dim) or order.device != cache.device):
-            raise ValueError(f"cache.{base}_channels: expected an int64 tensor [{rows[2]}, {cache.head_dim}] on {cache.device} (from calibrate), got {order!r:.60}")
+        if order is not None and (not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (cache.num_kv_heads, cache.head_dim) or order.device != cache.device):
+            raise ValueError(f"cache.{base}_channels: expected an int64 tensor [{cache.num_kv_heads}, {cache.head_dim}] on {cache.device} (from calibrate), got {order!r:.60}")
     for name, dtype, last in expected:
         t = getattr(cache, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-heads", type=int, default=32, help="query heads (default: 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default: 8)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block (default: 64)")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                        help="cache layout: head-major blocks (allocate_cache's default) or token-major (default: bhsd)")
     parser.add_argument("--json", default="bench-results.json", metavar="FILE",
                         help="where to write the results (default: bench-results.json)")
     parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
@@ -210,9 +212,11 @@ def _fields(cache) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cache) if f.name.endswith(("_codes", "_meta", "_window")))
 
 
-def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, batch: int):
+def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, batch: int,
+              layout: str = "bhsd"):
     rows = {"max_seqs": batch} if hasattr(module, "WINDOW") else {}  # sequence b keeps ring row b
-    cache = module.allocate_cache(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=torch.float16, **rows)
+    cache = module.allocate_cache(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=torch.float16,
+                                  layout=layout, **rows)
     if hasattr(module, "calibrate"):  # a channel split: choose outlier channels (speed does not depend on which)
         sample = torch.randn(64, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
         module.calibrate(cache, sample, sample)
@@ -259,7 +263,7 @@ def _populate(module: ModuleType, cache, block_tables: torch.Tensor, seq_len: in
 
 def _clone_cache(module: ModuleType, cache):
     batch = cache.key_window.shape[0] if hasattr(cache, "key_window") else 0
-    copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch)
+    copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch, cache.layout)
     for field in _fields(cache):
         getattr(copy, field).copy_(getattr(cache, field))
     for base in ("key", "value"):
@@ -288,7 +292,7 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     # The cache under test, filled with real codes.
     block_tables = _block_tables(b, math.ceil(n / bs))
     seq_lens = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-    cache = _allocate(module, b * math.ceil(n / bs), bs, hkv, d, b)
+    cache = _allocate(module, b * math.ceil(n / bs), bs, hkv, d, b, cfg.get("layout", "bhsd"))
     rows = _rows(module, b)
     copies = rotation_count(_cache_bytes(cache), l2, free)
     if copies == 0:
@@ -392,7 +396,7 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
     blocks_per_seq = math.ceil(per_seq / bs)
 
     def copy_set() -> tuple:
-        cache = _allocate(module, b * blocks_per_seq, bs, hkv, d, b)
+        cache = _allocate(module, b * blocks_per_seq, bs, hkv, d, b, cfg.get("layout", "bhsd"))
         key = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
         value = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
         return (cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs),
@@ -417,7 +421,8 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
 def bench_shape(module: ModuleType, scheme: str, shape: tuple[int, int, int], cfg: dict) -> dict:
     b, n, d = shape
     row = {"scheme": scheme, "batch": b, "context": n, "head_dim": d, "q_heads": cfg["q_heads"],
-           "kv_heads": cfg["kv_heads"], "block_size": cfg["block_size"], "status": "ok"}
+           "kv_heads": cfg["kv_heads"], "block_size": cfg["block_size"],
+           "layout": cfg.get("layout", "bhsd"), "status": "ok"}
     if d not in tuple(module.HEAD_DIMS):
         row.update(status="skipped", note=f"not built for head_dim {d} (built for {list(module.HEAD_DIMS)})")
         return row
@@ -549,10 +554,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"torch {header['torch']}, triton {header['triton']}")
     print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
           f"L2 {header['l2_bytes'] / MiB:.0f} MiB")
-    print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}; "
+    print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}, layout {args.layout}; "
           f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g}); attend: "
           f"{ATTEND_TOKENS} causal query tokens per sequence; MiB columns: peak allocation beyond the cache")
-    cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
+    cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size, "layout": args.layout,
            "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"], "decode_only": args.decode_only}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
     rows: list[dict] = []

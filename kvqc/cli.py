@@ -78,12 +78,12 @@ def _explain(args: argparse.Namespace) -> int:
     d = args.head_dim if args.head_dim in scheme.head_dims else scheme.head_dims[-1]
     print(f"{scheme.name}: {' '.join(scheme.description.split()) or '(no description)'}")
     print(f"head_dims: {list(scheme.head_dims)}; shown for head_dim {d}, model dtype fp16, B = block_size, H = KV heads")
-    print("cache tensors ([num_blocks, B, H, ...], LMDeploy's 'bshd' layout):")
+    print("cache tensors ([num_blocks, H, B, ...], allocate_cache's 'bhsd' layout; [num_blocks, B, H, ...] under 'bshd'):")
     for side in layout.sides:
         planes = " + ".join(f"{p.width}-bit" for p in side.planes)
         width = side.part_dim(d)
         which = f" of the {width} {'outlier' if side.part else 'other'} channels" if side.split else ""
-        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, B, H, {side.code_bytes(d)}]  {side.code_bits} bits/coord{which} ({planes} planes)")
+        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, H, B, {side.code_bytes(d)}]  {side.code_bits} bits/coord{which} ({planes} planes)")
         fields = ", ".join(side.metadata)
         if side.group_size:
             fields += f" for each of {d // side.group_size} groups of {side.group_size} channels"
@@ -91,7 +91,7 @@ def _explain(args: argparse.Namespace) -> int:
             g = side.token_group
             fields += (f" for each of the {d} channels, per group of {g} tokens: the group's "
                        f"{d * len(side.metadata)} values spread over its {g} slots")
-        print(f"  {side.name + '_meta':<12} fp16    [num_blocks, B, H, {side.meta_width(d)}]  {fields}")
+        print(f"  {side.name + '_meta':<12} fp16    [num_blocks, H, B, {side.meta_width(d)}]  {fields}")
     for side in layout.sides:
         if side.part:
             o = side.whole.outliers

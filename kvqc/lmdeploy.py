@@ -11,7 +11,8 @@ Written against lmdeploy 0.18 (`lmdeploy.pytorch.kernels.cuda`): `fill_kv_cache`
 kv_seq_length, max_q_seq_length, k_scales_zeros, v_scales_zeros, quant_policy, kv_layout) and write or return
 what LMDeploy's do. Nothing is imported from lmdeploy until `install()` runs.
 
-Caches: LMDeploy allocates, per layer, k_cache [num_blocks, block_size, num_kv_heads, ...] uint8, v_cache likewise,
+Caches: LMDeploy allocates, per layer, k_cache [num_blocks, block_size, num_kv_heads, ...] uint8 (kv_layout 'bshd';
+[num_blocks, num_kv_heads, block_size, ...] under 'bhsd', which kvqc also reads), v_cache likewise,
 and k_scales_zeros / v_scales_zeros [..., fields] in the model dtype. For the policies below those are exactly a
 kvqc KVCache(key_codes=k_cache, key_meta=k_scales_zeros, value_codes=v_cache, value_meta=v_scales_zeros), so the
 adapter wraps the engine's own tensors (no copies):
@@ -165,7 +166,7 @@ class Kernels:
         self._check_call(quant_policy, kv_layout)
         if v_states is None or v_caches is None:
             raise NotImplementedError("v_states: kvqc caches hold K and V; shared-KV (MLA) layers are not supported")
-        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, k_states.shape[-1])
+        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, k_states.shape[-1], kv_layout)
         slots = slot_mapping(k_states.shape[0], q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length,
                              block_offsets, cache.block_size)
         self.module.fill(cache, k_states, v_states, slots)
@@ -179,7 +180,7 @@ class Kernels:
         if flatten_kv_layout not in ("hsd", "shd"):
             raise ValueError(f"flatten_kv_layout: expected 'hsd' or 'shd', got {flatten_kv_layout!r}")
         head_dim = k_caches.shape[-1] * 8 // self.module.KEY_CODE_BITS
-        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, head_dim)
+        cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, head_dim, kv_layout)
         key, value = self.module.flatten(cache, block_offsets, seqlens)  # [sum(seqlens), H, d], input basis
         if self.quant_policy == 42:
             q = _rotation(head_dim, key.device)
@@ -221,7 +222,7 @@ class Kernels:
             raise NotImplementedError("softcap: kvqc's decode has no logit soft-capping")
         if alibi_slopes is not None or sinks is not None:
             raise NotImplementedError("alibi_slopes / sinks: not supported by kvqc's decode")
-        cache = self._cache(k_cache, k_scales_zeros, v_cache, v_scales_zeros, q.shape[-1])
+        cache = self._cache(k_cache, k_scales_zeros, v_cache, v_scales_zeros, q.shape[-1], kv_layout)
         batch, num_tokens = cache_seqlens.shape[0], q.shape[0]
         if cu_seqlens_q is not None:  # query tokens per sequence, possibly uneven (chunked prefill)
             if cu_seqlens_q.shape[0] != batch + 1 or int(cu_seqlens_q[-1]) != num_tokens:
@@ -251,10 +252,10 @@ class Kernels:
                 f"quant_policy: kvqc was installed for {self.quant_policy}, LMDeploy passed {int(quant_policy)} "
                 f"(start LMDeploy with quant_policy={self.quant_policy})"
             )
-        if kv_layout != "bshd":
-            raise ValueError(f"kv_layout: kvqc caches are 'bshd', got {kv_layout!r}")
+        if kv_layout not in ("bshd", "bhsd"):
+            raise ValueError(f"kv_layout: kvqc reads 'bshd' or 'bhsd' caches, got {kv_layout!r}")
 
-    def _cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int):
+    def _cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int, kv_layout: str):
         if key_meta is None or value_meta is None:
             raise ValueError("k_scales_zeros: kvqc needs LMDeploy's per-token metadata tensors (a quantized cache)")
         for name, t in (("k_cache", key_codes), ("v_cache", value_codes), ("k_scales_zeros", key_meta),
@@ -265,7 +266,7 @@ class Kernels:
                     "install(contiguous_cache=True) switch LMDeploy to contiguous allocation"
                 )
         return self.module.KVCache(key_codes=key_codes, key_meta=key_meta, value_codes=value_codes,
-                                   value_meta=value_meta, head_dim=head_dim)
+                                   value_meta=value_meta, head_dim=head_dim, layout=kv_layout)
 
 
 def _same_scheme(module: ModuleType, name: str | None) -> bool:

@@ -360,13 +360,17 @@ class Reference:
         back = [self.side(name, x.shape[-1]).roundtrip(p[:, 0], meta_dtype)[:, None] for name, p in parts.items()]
         return self.join(base, back, order)[:, 0]
 
-    # -- the paged surface, on any object with key_codes/key_meta/value_codes/value_meta/head_dim
+    # -- the paged surface, on any object with key_codes/key_meta/value_codes/value_meta/head_dim/layout
 
-    def _slots(self, cache: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache's codes and metadata viewed as [num_slots, num_kv_heads, ...]."""
+    def _blocks(self, cache: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's codes and metadata as [num_blocks, block_size, num_kv_heads, ...] views, whatever its layout
+        ('bhsd' blocks are transposed views; writes through them land in the cache)."""
         codes, meta = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_meta")
-        h = codes.shape[2]
-        return codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
+        if cache.layout == "bhsd":
+            return codes.transpose(1, 2), meta.transpose(1, 2)
+        if cache.layout != "bshd":
+            raise ValueError(f"cache.layout: expected 'bhsd' or 'bshd', got {cache.layout!r}")
+        return codes, meta
 
     def fill(
         self,
@@ -380,6 +384,8 @@ class Reference:
         """Tokens are taken one after another, in the order given: the definition the kernels must match."""
         keep = (slot_mapping >= 0).cpu()
         slots = slot_mapping.cpu()[keep].to(torch.int64)
+        block_size = self._blocks(cache, "key")[0].shape[1]
+        block, offset = slots // block_size, slots % block_size
         for base, x in (("key", key), ("value", value)):
             if getattr(self.layout, base).per_channel or not len(slots):
                 continue  # per channel: quantized a whole token group at a time, below
@@ -387,10 +393,11 @@ class Reference:
             d = x.shape[-1]
             parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
             for name, xp in parts.items():
-                codes, meta = self._slots(cache, name)
+                codes, meta = self._blocks(cache, name)
                 q = self.quantize(name, xp.reshape(-1, xp.shape[-1]), meta.dtype, head_dim=d)
-                codes[slots.to(codes.device)] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
-                meta[slots.to(meta.device)] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
+                at = (block.to(codes.device), offset.to(codes.device))
+                codes[at] = q.codes.view(len(slots), x.shape[1], -1).to(codes.device)
+                meta[at] = q.meta.view(len(slots), x.shape[1], -1).to(meta.device)
         if not self.scheme.window:
             return
         w = self.scheme.window
@@ -403,12 +410,13 @@ class Reference:
                 if side.per_channel and p % side.token_group == side.token_group - 1:
                     g = side.token_group
                     members = torch.arange(p - g + 1, p + 1) % w
-                    codes, meta = self._slots(cache, name)
+                    codes, meta = self._blocks(cache, name)
+                    b, o = divmod(slot, codes.shape[1])  # a group never straddles a block
                     for h in range(ring.shape[2]):
                         group = ring[seq, members.to(ring.device), h].cpu()
                         q = self.side(name, cache.head_dim).quantize_channels(group, meta.dtype)
-                        codes[slot - g + 1 : slot + 1, h] = q.codes.to(codes.device)
-                        meta[slot - g + 1 : slot + 1, h] = q.meta.to(meta.device)
+                        codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
+                        meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
 
     def gather(
         self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None,
@@ -421,15 +429,14 @@ class Reference:
             # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
             parts = [self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.layout.parts(name)]
             return self.join(name, parts, getattr(cache, f"{name}_channels"))
-        block_size = cache.key_codes.shape[1]
-        codes, meta = self._slots(cache, name)
-        h = codes.shape[1]
+        codes, meta = self._blocks(cache, name)
+        block_size, h = codes.shape[1], codes.shape[2]
         quantized = max(seq_len - self.scheme.window, 0)
         # Per-channel scales dequantize whole groups: every token before the window lies in a complete one.
         span = -(-quantized // side.token_group) * side.token_group if side.per_channel else quantized
         position = torch.arange(span)
-        slots = block_table.cpu().to(torch.int64)[position // block_size] * block_size + position % block_size
-        c, m = codes[slots.to(codes.device)].cpu(), meta[slots.to(meta.device)].cpu()  # gather, then copy
+        at = (block_table.cpu().to(torch.int64)[position // block_size].to(codes.device), (position % block_size).to(codes.device))
+        c, m = codes[at].cpu(), meta[at].cpu()  # gather, then copy
         if side.per_channel:
             ref, g = self.side(name, cache.head_dim), side.token_group
             x = torch.zeros(span, h, cache.head_dim, dtype=torch.float64)
@@ -452,7 +459,7 @@ class Reference:
         for table, n, r in zip(block_tables.cpu(), seq_lens.tolist(), rows):
             keys.append(self.gather(cache, "key", table, n, r))
             values.append(self.gather(cache, "value", table, n, r))
-        empty = torch.zeros(0, cache.key_codes.shape[2], cache.head_dim, dtype=torch.float64)
+        empty = torch.zeros(0, self._blocks(cache, "key")[0].shape[2], cache.head_dim, dtype=torch.float64)
         return (torch.cat(keys) if keys else empty), (torch.cat(values) if values else empty)
 
     def decode(
@@ -461,7 +468,7 @@ class Reference:
     ):
         """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros."""
         batch, num_q_heads, d = query.shape
-        group = num_q_heads // cache.key_codes.shape[2]
+        group = num_q_heads // self._blocks(cache, "key")[0].shape[2]
         scale = 1 / math.sqrt(d) if scale is None else scale
         out = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
         rows = window_index.tolist() if window_index is not None else [None] * batch

@@ -11,10 +11,11 @@ Nothing is imported from vllm until `register()` or one of the backend classes i
 below (`carve`, `Metadata`, `forward`) is plain torch and tested without vLLM.
 
 The cache: vLLM gives each layer one raw byte tensor of num_blocks pages, viewed through the backend's
-get_kv_cache_shape [num_blocks, block_size, num_kv_heads, bytes_per_token] (uint8). kvqc's kernels need each of
+get_kv_cache_shape [num_blocks, num_kv_heads, block_size, bytes_per_token] (uint8). kvqc's kernels need each of
 key_codes / key_meta / value_codes / value_meta contiguous, so the bytes are not interleaved per slot: `carve`
 lays them out as four regions, all blocks' key codes, then all key metadata, then value codes, then value
-metadata, each viewed as [num_blocks, block_size, num_kv_heads, ...] (metadata in the model dtype). A page is
+metadata, each viewed as [num_blocks, num_kv_heads, block_size, ...] (metadata in the model dtype): kvqc's
+head-major 'bhsd' layout, in which a KV head's tokens of a block are one run of memory. A page is
 block_size * num_kv_heads * bytes_per_token bytes, which the KVQCAttentionSpec tells vLLM's allocator; the
 Attention layers return that spec when they run on this backend (register() wraps get_kv_cache_spec).
 
@@ -58,10 +59,10 @@ def region_bytes(module: ModuleType, head_dim: int, dtype: torch.dtype) -> dict[
 
 
 def carve(module: ModuleType, raw: torch.Tensor, head_dim: int, dtype: torch.dtype):
-    """The module's KVCache over one layer's raw uint8 cache [num_blocks, block_size, num_kv_heads, bytes_per_token],
-    as four contiguous regions (views, no copy)."""
+    """The module's KVCache over one layer's raw uint8 cache [num_blocks, num_kv_heads, block_size, bytes_per_token],
+    as four contiguous regions (views, no copy) in the 'bhsd' layout."""
     if raw.dtype != torch.uint8 or raw.dim() != 4 or not raw.is_contiguous():
-        raise ValueError(f"kv_cache: expected a contiguous uint8 [blocks, block_size, heads, bytes] tensor, got "
+        raise ValueError(f"kv_cache: expected a contiguous uint8 [blocks, heads, block_size, bytes] tensor, got "
                          f"{raw.dtype} {list(raw.shape)}")
     sizes = region_bytes(module, head_dim, dtype)
     if raw.shape[-1] != sum(sizes.values()):
@@ -81,7 +82,7 @@ def carve(module: ModuleType, raw: torch.Tensor, head_dim: int, dtype: torch.dty
             part = part.view(dtype)
         views[name] = part.view(*rows, -1)
         at += size
-    return module.KVCache(head_dim=head_dim, **views)
+    return module.KVCache(head_dim=head_dim, layout="bhsd", **views)
 
 
 # ---------------------------------------------------------------------------------------------------- a step
@@ -258,7 +259,7 @@ def _vllm_classes() -> dict[str, type]:
         def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
             if head_size not in _BYTES_PER_TOKEN:
                 raise RuntimeError(f"kvqc: no KV cache spec was built for head_size {head_size} in this process")
-            return (num_blocks, block_size, num_kv_heads, _BYTES_PER_TOKEN[head_size])
+            return (num_blocks, num_kv_heads, block_size, _BYTES_PER_TOKEN[head_size])
 
         @classmethod
         def get_supported_head_sizes(cls) -> list[int]:

@@ -39,3 +39,11 @@ SPLIT_SCHEMES = [n for n in ALL_SCHEMES if "\n  outliers:" in (ROOT / "schemes" 
 SCHEMES = [n for n in ALL_SCHEMES if n not in WINDOW_SCHEMES and n not in SPLIT_SCHEMES]
 
 from kvqc.modules import load as generated  # noqa: E402  generated/<name>.py, imported once
+
+
+def slot_rows(cache, t: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's entries as [num_slots, num_kv_heads, width], slot = block * block_size + offset, whatever
+    the cache's layout (a copy for 'bhsd' blocks: for reading only)."""
+    if cache.layout == "bhsd":
+        t = t.transpose(1, 2)
+    return t.reshape(-1, cache.num_kv_heads, t.shape[-1])

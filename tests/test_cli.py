@@ -712,8 +712,8 @@ def test_explain_turbo_k4v2(capsys):
     assert out.startswith("turbo_k4v2: K: normalized Walsh-Hadamard rotation")
     assert "head_dims: [64, 128, 256]; shown for head_dim 128" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and "_" in line.split()[0]}
-    assert rows["key_codes"][1:7] == ["uint8", "[num_blocks,", "B,", "H,", "64]", "4"]
-    assert rows["key_meta"][1:6] == ["fp16", "[num_blocks,", "B,", "H,", "2]"] and out.count("norm, residual_rms") == 1
+    assert rows["key_codes"][1:7] == ["uint8", "[num_blocks,", "H,", "B,", "64]", "4"]
+    assert rows["key_meta"][1:6] == ["fp16", "[num_blocks,", "H,", "B,", "2]"] and out.count("norm, residual_rms") == 1
     assert rows["value_codes"][5:7] == ["32]", "2"]
     assert rows["value_meta"][5] == "1]"
     assert "bytes per token and KV head: 102 (fp16 K+V: 512), 5.02x smaller" in out

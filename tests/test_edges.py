@@ -44,8 +44,12 @@ def head_dim_of_the_scheme(request):
 
 
 def raw(cache) -> dict:
-    """The four cache tensors as host bytes: NaN-safe, bit-exact comparisons."""
-    return {f: getattr(cache, f).view(torch.uint8).cpu().clone() for f in FIELDS}
+    """The four cache tensors as host bytes, token-major ([num_blocks, block_size, num_kv_heads, bytes] whatever the
+    cache's layout, so that slot_rows can index slots): NaN-safe, bit-exact comparisons."""
+    tensors = {f: getattr(cache, f) for f in FIELDS}
+    if cache.layout == "bhsd":
+        tensors = {f: t.transpose(1, 2) for f, t in tensors.items()}
+    return {f: t.cpu().contiguous().view(torch.uint8).clone() for f, t in tensors.items()}
 
 
 def assert_same_bytes(a: dict, b: dict, what: str = "cache"):
@@ -178,7 +182,7 @@ def _transposed(*shape):  # the right shape, but the last dimension has stride !
 
 def _other_scheme_cache(m, c):
     other = generated(next(s for s in SCHEMES if s != m.SCHEME["name"]))
-    return other.KVCache(c.key_codes, c.key_meta, c.value_codes, c.value_meta, c.head_dim)
+    return other.KVCache(c.key_codes, c.key_meta, c.value_codes, c.value_meta, c.head_dim, c.layout)
 
 
 def _namespace(c):
@@ -727,7 +731,7 @@ def test_misaligned_code_tensors_are_refused_or_read_alike(name):
 def test_bytes_per_token_is_the_whole_cache(name):
     m = generated(name)
     # Nothing hidden beside the four tensors.
-    assert [f.name for f in dataclasses.fields(m.KVCache)] == list(FIELDS) + ["head_dim"]
+    assert [f.name for f in dataclasses.fields(m.KVCache)] == list(FIELDS) + ["head_dim", "layout"]
     for side, bits, metadata in (
         ("key", m.KEY_CODE_BITS, m.KEY_METADATA), ("value", m.VALUE_CODE_BITS, m.VALUE_METADATA)
     ):
@@ -742,11 +746,13 @@ def test_bytes_per_token_is_the_whole_cache(name):
     for head_dim in m.HEAD_DIMS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             nb, bs, h = 3, 5, 2
-            cache = m.allocate_cache(nb, bs, h, head_dim, device=DEVICE, dtype=dtype)
+            layout = "bshd" if dtype == torch.bfloat16 else "bhsd"
+            cache = m.allocate_cache(nb, bs, h, head_dim, device=DEVICE, dtype=dtype, layout=layout)
+            assert (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.layout) == (nb, bs, h, layout)
             per_token = 0
             for f in FIELDS:
                 t = getattr(cache, f)
-                assert t.shape[:3] == (nb, bs, h) and t.is_contiguous()
+                assert t.shape[:3] == ((nb, h, bs) if layout == "bhsd" else (nb, bs, h)) and t.is_contiguous()
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 per_token += t.shape[-1] * t.element_size()
             assert cache.key_codes.shape[-1] == head_dim * m.KEY_CODE_BITS // 8
@@ -908,6 +914,7 @@ def test_assembled_cache_with_wrong_layout_is_refused(name):
         "value_meta": dataclasses.replace(good, value_meta=good.value_meta.float()),
         "value_codes": dataclasses.replace(good, value_codes=good.value_codes.transpose(0, 1)),
         "cache.head_dim": dataclasses.replace(good, head_dim=D + 8),
+        "cache.layout": dataclasses.replace(good, layout="nhd"),
     }
     for field, cache in bad_caches.items():
         with pytest.raises(ValueError, match=field):
@@ -930,3 +937,36 @@ def test_dependently_launched_kernels_wait_before_their_first_load(name):
         wait, load = body.find("tl.extra.cuda.gdc_wait()"), body.find("tl.load(")
         assert 0 <= wait < load, f"{k}: the first load comes before the wait"
     assert m._dependent_launch(torch.device("cpu")) is False
+
+
+# -- 11. cache layouts -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_both_layouts_hold_the_same_bytes_and_read_the_same(name):
+    """A head-major ('bhsd') cache is a token-major ('bshd') one with block_size and num_kv_heads swapped: the same
+    fill writes the same bytes at the transposed places, and flatten and decode read the same values back."""
+    m = generated(name)
+    lens, bs, h = [5, 13, 9], 4, 3
+    nb, tables, slots = paging(lens, bs, seed=130)
+    slot_mapping = torch.cat(slots + [torch.tensor([-1])])
+    key, value = randn(len(slot_mapping), h, D, seed=131), randn(len(slot_mapping), h, D, seed=132)
+    caches = {}
+    for layout in ("bhsd", "bshd"):
+        cache = m.allocate_cache(nb, bs, h, D, device=DEVICE, layout=layout)
+        assert (cache.block_size, cache.num_kv_heads) == (bs, h)
+        poison(cache, 133)  # the same garbage at the same slots
+        if layout == "bshd":
+            for f in FIELDS:
+                getattr(cache, f).copy_(getattr(caches["bhsd"], f).transpose(1, 2))
+        m.fill(cache, *dev(key, value, slot_mapping))
+        caches[layout] = cache
+    assert_same_bytes(raw(caches["bhsd"]), raw(caches["bshd"]), "bhsd vs bshd")
+    assert not torch.equal(caches["bhsd"].key_codes.cpu(), caches["bshd"].key_codes.cpu().view_as(caches["bhsd"].key_codes))
+    paging_args = dev(tables, i32(lens))
+    k_hnd, v_hnd = m.flatten(caches["bhsd"], *paging_args)
+    k_nhd, v_nhd = m.flatten(caches["bshd"], *paging_args)
+    assert torch.equal(k_hnd.cpu(), k_nhd.cpu()) and torch.equal(v_hnd.cpu(), v_nhd.cpu())
+    query = randn(len(lens), 2 * h, D, seed=134).to(DEVICE)
+    torch.testing.assert_close(m.decode(query, caches["bhsd"], *paging_args).cpu(),
+                               m.decode(query, caches["bshd"], *paging_args).cpu(), rtol=0, atol=0)

@@ -37,9 +37,10 @@ from kvqc.modules import load
 
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 out = {}
-for name, block_size in json.loads(sys.argv[1]):
+for name, block_size, layout in json.loads(sys.argv[1]):
     fn = load(name)._decode_kernel_gluon
-    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=block_size, BLOCK_N=32,
+    strides = dict(HEAD_STRIDE=block_size, TOKEN_STRIDE=1) if layout == "bhsd" else dict(HEAD_STRIDE=1, TOKEN_STRIDE=8)
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=block_size, **strides, BLOCK_N=32,
                       TOKENS_PER_SPLIT=1024, DOT_DTYPE=tl.float16, DOT_PRECISION="tf32x3", LAZY_RESCALE=False,
                       FAST_UNPACK=True, PDL=True)
     signature, attrs = {}, {}
@@ -65,7 +66,7 @@ for name, block_size in json.loads(sys.argv[1]):
              for m in [re.search(r"BRA\\s.*?0x([0-9a-f]+)", text)] if m and int(m.group(1), 16) < int(at, 16)]
     first, last = max(spans, key=lambda span: span[1] - span[0])
     loop = " ".join(text for at, text in lines if first <= int(at, 16) <= last)
-    out[f"{name}/{block_size}"] = {
+    out[f"{name}/{block_size}/{layout}"] = {
         "registers": int(re.search(r"REG:(\\d+)", usage).group(1)),
         "local": int(re.search(r"LOCAL:(\\d+)", usage).group(1)),
         "loop_ops": sorted(set(re.findall(r"\\b(HMMA|LDSM|STS|LDS|BAR)\\b", loop))),
@@ -74,18 +75,20 @@ print(json.dumps(out))
 """
 
 
+CASES = [[name, 64, "bhsd"] for name in GLUON_SCHEMES] + [["turbo_k4v2", 16, "bhsd"], ["turbo_k4v2", 64, "bshd"]]
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    cases = [[name, 64] for name in GLUON_SCHEMES] + [["turbo_k4v2", 16]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(cases)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(CASES)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", [f"{name}/64" for name in GLUON_SCHEMES] + ["turbo_k4v2/16"])
+@pytest.mark.parametrize("case", ["/".join(map(str, case)) for case in CASES])
 def test_the_gluon_kernel_compiles_for_sm90_without_spills_or_shared_memory_tiles(compiled, case):
     # convert_layout(..., assert_trivial=True) fails the compile if an operand layout needs data movement, and
     # the code words go from global memory to the mma operands in registers: the main loop has no ldmatrix and no
@@ -109,15 +112,17 @@ def test_decode_takes_the_gluon_kernel_only_on_compiled_cuda_with_fp16_queries()
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on the GPU only")
 @pytest.mark.parametrize("name", GLUON_SCHEMES)
-@pytest.mark.parametrize("block_size, q_heads", [(64, 32), (16, 8), (16, 64), (32, 24)])
-def test_the_gluon_kernel_decodes_as_the_triton_kernel(name, block_size, q_heads, monkeypatch):
+@pytest.mark.parametrize("block_size, q_heads, layout",
+                         [(64, 32, "bhsd"), (64, 32, "bshd"), (16, 8, "bhsd"), (16, 64, "bshd"), (32, 24, "bhsd")])
+def test_the_gluon_kernel_decodes_as_the_triton_kernel(name, block_size, q_heads, layout, monkeypatch):
     m = load(name)
     torch.manual_seed(0)
     batch, context, kv_heads = 3, 1000, 8
     blocks = -(-context // block_size)
     block_tables = bench._block_tables(batch, blocks)
     seq_lens = torch.tensor([context, 0, context - 37], dtype=torch.int32, device=DEVICE)
-    cache = m.allocate_cache(batch * blocks, block_size, kv_heads, 128, device=DEVICE, dtype=torch.float16)
+    cache = m.allocate_cache(batch * blocks, block_size, kv_heads, 128, device=DEVICE, dtype=torch.float16,
+                             layout=layout)
     bench._populate(m, cache, block_tables, context)
     query = torch.randn(batch, q_heads, 128, dtype=torch.float16, device=DEVICE)
     assert m._gluon_decode(query, cache, q_heads // kv_heads)

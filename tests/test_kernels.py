@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DEEP, DEVICE, ROOT, SCHEMES, SPLIT_SCHEMES, generated
+from conftest import DEEP, DEVICE, ROOT, SCHEMES, SPLIT_SCHEMES, generated, slot_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +52,7 @@ def poison(cache, generator):
             t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
 
 
-def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, skipped=3) -> Case:
+def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, skipped=3, layout="bhsd") -> Case:
     m = generated(name)
     g = torch.Generator().manual_seed(seed)
     blocks = [math.ceil(n / block_size) for n in seq_lens]
@@ -74,7 +74,7 @@ def make_case(name, head_dim, block_size, num_kv_heads, seq_lens, dtype, seed, s
     channel_scale = 1 + 4 * (torch.rand(head_dim, generator=g) < 0.05)
     key = (torch.randn(t, num_kv_heads, head_dim, generator=g) * channel_scale).to(dtype)
     value = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
-    cache = m.allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    cache = m.allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE, dtype=dtype, layout=layout)
     poison(cache, g)
     if hasattr(m, "calibrate"):  # a channel split chooses each head's outlier channels from sample K/V
         m.calibrate(cache, key.to(DEVICE), value.to(DEVICE))
@@ -99,20 +99,18 @@ def check_fill(case: Case, before: dict):
         parts = ref.split(base, x, getattr(case.cache, f"{base}_channels")) if ref.layout.parts(base)[-1].split else {base: x}
         for side, xp in parts.items():
             scheme = getattr(ref.layout, side).scheme
-            codes = getattr(case.cache, f"{side}_codes").cpu()
-            meta = getattr(case.cache, f"{side}_meta").cpu()
-            h = codes.shape[2]
-            flat_codes, flat_meta = codes.view(-1, h, codes.shape[-1]), meta.view(-1, h, meta.shape[-1])
+            flat_codes = slot_rows(case.cache, getattr(case.cache, f"{side}_codes").cpu())
+            flat_meta = slot_rows(case.cache, getattr(case.cache, f"{side}_meta").cpu())
             # Nothing lost: every slot the fill was not given keeps its poisoned bytes.
             untouched = torch.ones(flat_codes.shape[0], dtype=torch.bool)
             untouched[written] = False
-            old_codes = before[f"{side}_codes"].cpu().view_as(flat_codes)
-            old_meta = before[f"{side}_meta"].cpu().view_as(flat_meta)
+            old_codes = slot_rows(case.cache, before[f"{side}_codes"].cpu())
+            old_meta = slot_rows(case.cache, before[f"{side}_meta"].cpu())
             assert torch.equal(flat_codes[untouched], old_codes[untouched]), f"{side}: fill wrote a slot it was not given"
             assert torch.equal(flat_meta[untouched], old_meta[untouched]), f"{side}: fill wrote metadata it was not given"
 
-            want = ref.quantize(side, xp.reshape(-1, xp.shape[-1]), meta.dtype, head_dim=d)
-            got_codes = flat_codes[written].reshape(-1, codes.shape[-1])
+            want = ref.quantize(side, xp.reshape(-1, xp.shape[-1]), flat_meta.dtype, head_dim=d)
+            got_codes = flat_codes[written].reshape(-1, flat_codes.shape[-1])
             got = ref.side(side, d).unpack(got_codes)
             differ = got != want.code
             allowed = want.margin < MARGIN
@@ -127,10 +125,10 @@ def check_fill(case: Case, before: dict):
                 f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference away from any decision boundary"
             )
             clean = ~differ.any(dim=1)  # rows whose codes agree: their metadata must agree too
-            got_meta = flat_meta[written].reshape(-1, meta.shape[-1]).to(torch.float64)
+            got_meta = flat_meta[written].reshape(-1, flat_meta.shape[-1]).to(torch.float64)
             want_meta = want.meta.to(torch.float64)
             torch.testing.assert_close(
-                got_meta[clean], want_meta[clean], rtol=META_RTOL[meta.dtype], atol=1e-6, msg=f"{side} metadata"
+                got_meta[clean], want_meta[clean], rtol=META_RTOL[flat_meta.dtype], atol=1e-6, msg=f"{side} metadata"
             )
 
 
@@ -182,6 +180,7 @@ cases = st.fixed_dictionaries(
         "seq_lens": st.lists(st.integers(0, 300 if DEEP else 90), min_size=1, max_size=4 if DEEP else 3),
         "dtype": st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
         "seed": st.integers(0, 2**31 - 1),
+        "layout": st.sampled_from(["bhsd", "bshd"]),
     }
 )
 
@@ -191,7 +190,8 @@ cases = st.fixed_dictionaries(
 def test_kernels_match_reference(name, c):
     dims = [d for d in generated(name).HEAD_DIMS if DEEP or d <= 128]
     head_dim = dims[c["head_dim"] % len(dims)]
-    case = make_case(name, head_dim, c["block_size"], c["num_kv_heads"], c["seq_lens"], c["dtype"], c["seed"])
+    case = make_case(name, head_dim, c["block_size"], c["num_kv_heads"], c["seq_lens"], c["dtype"], c["seed"],
+                     layout=c["layout"])
     before = snapshot(case.cache)
     case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
     check_fill(case, before)

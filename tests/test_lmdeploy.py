@@ -55,7 +55,7 @@ def engine_cache(policy: int, num_blocks: int, dtype: torch.dtype, seed: int) ->
 
 def to_cache(module, t: dict):
     return module.KVCache(key_codes=t["k_caches"], key_meta=t["k_scales_zeros"], value_codes=t["v_caches"],
-                          value_meta=t["v_scales_zeros"], head_dim=HEAD_DIM)
+                          value_meta=t["v_scales_zeros"], head_dim=HEAD_DIM, layout="bshd")
 
 
 @dataclass
@@ -218,6 +218,33 @@ def test_fill_flatten_decode(policy, name):
     assert out.shape == q.shape and out.dtype == dtype
     assert rel_err(out, want) < RTOL[dtype]
     assert rel_err(module.reference.decode(q, cache, table, lens, scale=0.1), want) > 10 * RTOL[dtype]  # teeth
+
+
+def test_head_major_caches_take_the_same_calls():
+    """kv_layout='bhsd' ([num_blocks, num_kv_heads, block_size, ...] tensors): fill writes the bytes it writes under
+    'bshd' at the transposed places, and flatten and paged attention return the same."""
+    adapter, dtype = kl.kernels("turbo_k4v2", 42), torch.float16
+    token_major, table = run_steps(adapter, 42, dtype, seed=5)
+    head_major = {k: t.transpose(1, 2).contiguous() for k, t in engine_cache(42, token_major["k_caches"].shape[0],
+                                                                             dtype, seed=5).items()}
+    steps = [Step([0, 0, 0], [6, 2, 0], table), Step([6, 2, 0], [2, 2, 2], table, padding=0),
+             Step([8, 4, 2], [1, 1, 1], table, padding=1)]
+    for n, step in enumerate(steps):  # run_steps' calls and states, now into head-major tensors
+        k, v = states(step.num_tokens, 5 + n, dtype)
+        adapter.fill_kv_cache(**step.fill_args(k, v, head_major, 42), kv_layout="bhsd")
+    for name, t in token_major.items():
+        assert torch.equal(head_major[name], t.transpose(1, 2)), name
+    lens = torch.tensor(FINAL, dtype=torch.int32)
+    outs = []
+    for t, layout in ((token_major, "bshd"), (head_major, "bhsd")):
+        meta = dict(k_scales_zeros=t["k_scales_zeros"], v_scales_zeros=t["v_scales_zeros"], quant_policy=42,
+                    kv_layout=layout)
+        q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(6)).to(dtype)
+        outs.append((*adapter.flatten_kv_cache(t["k_caches"], t["v_caches"], lens, table, **meta),
+                     adapter.flash_attn_with_kvcache(q, t["k_caches"], t["v_caches"], cache_seqlens=lens,
+                                                     page_table=table, max_seqlen_q=1, **meta)))
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -401,8 +428,8 @@ def test_refusals():
     k, v = states(4, 0, torch.float16)
     with pytest.raises(ValueError, match="start LMDeploy with quant_policy=42"):
         adapter.fill_kv_cache(**{**step.fill_args(k, v, engine, 42), "quant_policy": 0})
-    with pytest.raises(ValueError, match="kv_layout: kvqc caches are 'bshd'"):
-        adapter.fill_kv_cache(**step.fill_args(k, v, engine, 42), kv_layout="bhsd")
+    with pytest.raises(ValueError, match="kv_layout: kvqc reads 'bshd' or 'bhsd' caches, got 'hsd'"):
+        adapter.fill_kv_cache(**step.fill_args(k, v, engine, 42), kv_layout="hsd")
     strided = {name: torch.cat([t, t], 0)[::2] for name, t in engine.items()}  # a packed pool's view
     with pytest.raises(ValueError, match="k_cache: a strided view"):
         adapter.fill_kv_cache(**step.fill_args(k, v, strided, 42))

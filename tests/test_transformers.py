@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, ROOT
+from conftest import DEVICE, ROOT, slot_rows
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -98,7 +98,7 @@ def test_cache_holds_what_fill_stored(tiny, scheme, backend):
         slots = (layer.block_tables[0].long().cpu()[torch.arange(len(key)) // layer.block_size] * layer.block_size
                  + torch.arange(len(key)) % layer.block_size)
         for name, x in (("key", key), ("value", value)):
-            codes = getattr(layer.cache, f"{name}_codes").view(-1, *getattr(layer.cache, f"{name}_codes").shape[2:])
+            codes = slot_rows(layer.cache, getattr(layer.cache, f"{name}_codes"))
             q = oracle.quantize(name, x.reshape(-1, x.shape[-1]).double(), layer.cache.dtype)
             got = codes.cpu()[slots].reshape(q.codes.shape)
             same = (got == q.codes).all(dim=1)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU (interpreter) 
 def raw_cache(module, num_blocks: int, head_dim: int, dtype, seed: int) -> torch.Tensor:
     per_token = module.bytes_per_token(head_dim, dtype)
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (num_blocks, BLOCK, KV_HEADS, per_token), dtype=torch.uint8, generator=g)
+    return torch.randint(0, 256, (num_blocks, KV_HEADS, BLOCK, per_token), dtype=torch.uint8, generator=g)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -43,7 +43,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_regions_tile_the_raw_tensor():
     module = kv.paged.load_module("turbo_k4v2")
-    raw = torch.zeros(3, BLOCK, KV_HEADS, module.bytes_per_token(64, torch.float16), dtype=torch.uint8)
+    raw = torch.zeros(3, KV_HEADS, BLOCK, module.bytes_per_token(64, torch.float16), dtype=torch.uint8)
     cache = kv.carve(module, raw, 64, torch.float16)
     n = 3 * BLOCK * KV_HEADS
     sizes = kv.region_bytes(module, 64, torch.float16)
@@ -51,7 +51,8 @@ def test_regions_tile_the_raw_tensor():
     at = 0
     for i, name in enumerate(kv._REGIONS):
         t = getattr(cache, name)
-        assert t.is_contiguous() and t.shape[:3] == (3, BLOCK, KV_HEADS)
+        assert t.is_contiguous() and t.shape[:3] == (3, KV_HEADS, BLOCK)
+        assert cache.block_size == BLOCK and cache.num_kv_heads == KV_HEADS
         assert t.data_ptr() == raw.data_ptr() + at  # region i starts where region i - 1 ends
         t.view(torch.uint8).fill_(i + 1)
         at += n * sizes[name]
@@ -236,7 +237,7 @@ def test_register_and_run_through_the_classes(fake_vllm):
     assert spec.page_size_bytes == BLOCK * KV_HEADS * 54  # turbo_k4v2, d=64, fp16 metadata: 54 bytes
     assert spec_cls.merge([spec, spec]).page_size_bytes == spec.page_size_bytes
     shape = backend.get_kv_cache_shape(5, BLOCK, KV_HEADS, 64)
-    assert shape == (5, BLOCK, KV_HEADS, 54)
+    assert shape == (5, KV_HEADS, BLOCK, 54)
 
     impl = backend.get_impl_cls()(Q_HEADS, 64, 0.125, KV_HEADS)
     with pytest.raises(NotImplementedError, match="sliding_window"):

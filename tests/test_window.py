@@ -29,8 +29,9 @@ def group_tokens(m) -> int:
 class Engine:
     """Paged blocks, ring rows and fill calls, laid out as an engine lays out a batch."""
 
-    def __init__(self, m, head_dim, block_size, num_kv_heads, lens, dtype, seed):
+    def __init__(self, m, head_dim, block_size, num_kv_heads, lens, dtype, seed, layout="bhsd"):
         self.m, self.d, self.bs, self.h, self.lens, self.dtype = m, head_dim, block_size, num_kv_heads, lens, dtype
+        self.layout = layout
         g = torch.Generator().manual_seed(seed)
         self.g = g
         blocks = [max(math.ceil(n / block_size), 1) for n in lens]
@@ -49,7 +50,8 @@ class Engine:
 
     def allocate(self):
         return self.m.allocate_cache(
-            self.num_blocks, self.bs, self.h, self.d, device=DEVICE, dtype=self.dtype, max_seqs=len(self.lens) + 1
+            self.num_blocks, self.bs, self.h, self.d, device=DEVICE, dtype=self.dtype, max_seqs=len(self.lens) + 1,
+            layout=self.layout,
         )
 
     def call(self, chunk: int):
@@ -112,6 +114,7 @@ cases = st.fixed_dictionaries(
         "chunks": st.lists(st.sampled_from([1, 2, 13, 40, 100]), min_size=1, max_size=4),
         "dtype": st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
         "seed": st.integers(0, 2**31 - 1),
+        "layout": st.sampled_from(["bhsd", "bshd"]),
     }
 )
 
@@ -125,7 +128,7 @@ def test_window_kernels_match_reference(name, c):
     head_dim = dims[c["head_dim"] % len(dims)]
     block_size = max(16, group_tokens(m)) * c["block_mult"]
     lens = [c["lens"][0] + m.WINDOW] + c["lens"][1:]
-    e = Engine(m, head_dim, block_size, c["num_kv_heads"], lens, c["dtype"], c["seed"])
+    e = Engine(m, head_dim, block_size, c["num_kv_heads"], lens, c["dtype"], c["seed"], c["layout"])
     cache, want = e.allocate(), e.allocate()
     # A first chunk as long as the longest sequence would be one prefill; the drawn chunks, then single tokens.
     for chunk in c["chunks"] + [1, 1] + [max(lens)]:

@@ -19,7 +19,9 @@ tokens of a block are one run of memory; an engine's own token-major tensors ('b
 KVCache(..., layout="bshd").
 
 Set KVQC_DEBUG=1 to check slot and block indices against the cache on every call (a device sync on GPUs;
-on CPU tensors they are always checked). Kernels mask out-of-range indices either way.
+on CPU tensors they are always checked). Kernels mask out-of-range indices either way. After a kernel's first
+launch with given argument types and constexprs, later launches call the compiled kernel directly (less host time
+per call); KVQC_TRITON_LAUNCH=1 keeps every launch on Triton's own path.
 """
 
 import functools
@@ -1555,6 +1557,100 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     return tables
 
 
+# ---------------------------------------------------------------- launching
+# Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
+# arguments is a good share of an eager call's host time. _launch takes Triton's path once per launch key, which
+# compiles (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself. H100 host, eager calls,
+# 8 x 8k, head_dim 128: decode 205-213 -> 150-156 us per int4_token call (38 us of GPU time), a decode step's fill
+# 73-84 -> 63-65 us (docs/benchmarks.md, session 17).
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function, a few microseconds a call on the host
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0  # triton.next_power_of_2, likewise
+
+
+def _launch_knobs():
+    """Triton's run-time knobs where _launch may call compiled kernels itself: compiled CUDA with the interfaces it
+    was written against (triton 3.6: launch hook chains, CompiledKernel.run), and KVQC_TRITON_LAUNCH unset;
+    otherwise None, and every launch is Triton's own."""
+    if not _COMPILED_CUDA or os.environ.get("KVQC_TRITON_LAUNCH", "0") == "1":
+        return None
+    try:
+        from triton import knobs
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:
+        return None
+    hooks = getattr(getattr(knobs, "runtime", None), "launch_enter_hook", None)
+    if not hasattr(hooks, "calls") or not hasattr(CompiledKernel, "run"):
+        return None
+    return knobs.runtime
+
+
+_KNOBS = _launch_knobs()
+# Launch key (see _launch) -> (the compiled kernel, its constexprs in parameter order), or None for a call that
+# cannot be launched directly.
+_LAUNCHES: dict = {}
+_RAW_STREAM = None  # Triton's current-stream getter (a torch.cuda.Stream object costs 2-6 us to build)
+
+
+def _specialization(arg) -> tuple:
+    """What Triton compiles a run-time argument into: a tensor's dtype and whether its data is 16-byte aligned; an
+    integer's type (i32, i64 or u64), whether it is divisible by 16, and whether it is 1 (Triton makes a 1 a
+    constant); the type of a float, bool or None. Arguments with equal tuples run the same compiled kernel
+    (tests/test_launch.py checks this against Triton's own specialization)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None or isinstance(arg, float):
+        return (type(arg),)
+    if isinstance(arg, int):
+        return (int, arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31), -(1 << 63) <= arg < (1 << 63))
+    raise TypeError(f"_launch: no launch key for an argument of type {type(arg).__name__}")
+
+
+def _launch(kernel, grid: tuple, *args, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs): args are the kernel's run-time arguments, in order, and constexprs the
+    rest of its parameters by name, with Triton's launch options (num_warps, num_stages, maxnreg, launch_pdl).
+
+    The launch key is the current device, each run-time argument's _specialization, and every constexpr and option
+    by name. A key's first launch is Triton's; later ones call the compiled kernel's launcher on the current stream
+    with the same arguments. A registered launch hook (Triton's profilers) keeps every launch Triton's.
+    """
+    global _RAW_STREAM
+    if _KNOBS is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
+        kernel[grid](*args, **constexprs)
+        return
+    device = torch.cuda.current_device()
+    key = (kernel, device, *map(_specialization, args), *constexprs.items())
+    entry = _LAUNCHES.get(key, False)
+    if entry is False:
+        compiled = kernel[grid](*args, **constexprs)
+        params = getattr(kernel, "params", None) or []  # a stand-in for a kernel (tests' spies) has none
+        names = [p.name for p in params[len(args):]]
+        # Direct only where the run-time arguments all came by position and the constexprs name every parameter
+        # after them: then args + the constexprs in order are the arguments Triton's launcher takes.
+        direct = (
+            bool(params) and not any(p.is_constexpr for p in params[:len(args)])
+            and all(p.is_constexpr for p in params[len(args):]) and set(names) <= set(constexprs)
+            and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+        )
+        _LAUNCHES[key] = (compiled, tuple(constexprs[n] for n in names)) if direct else None
+        if _RAW_STREAM is None:
+            from triton.runtime.driver import driver
+
+            _RAW_STREAM = driver.active.get_current_stream
+    elif entry is None:
+        kernel[grid](*args, **constexprs)
+    else:
+        compiled, tail = entry
+        x, y, z = (*grid, 1, 1)[:3]
+        compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *tail)
+
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Decode's dot products take the model's precision; float32 models get float32-accurate products. The
 # interpreter computes bfloat16 dots wrongly (numpy has no bfloat16), so it gets float32 throughout.
@@ -1673,11 +1769,12 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         return
     tables = _tables(cache.head_dim, cache.device)
     # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
-    num_tiles = triton.cdiv(num_tokens, _FILL_BLOCK_T)
+    num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
     programs = max(1, _target_programs(cache.device, _FILL_PROGRAMS_PER_SM) // cache.num_kv_heads)
-    tiles = triton.cdiv(num_tiles, programs)
-    grid = (triton.cdiv(num_tiles, tiles), cache.num_kv_heads)
-    _fill_kernel[grid](
+    tiles = _cdiv(num_tiles, programs)
+    grid = (_cdiv(num_tiles, tiles), cache.num_kv_heads)
+    _launch(
+        _fill_kernel, grid,
         key,
         value,
         slot_mapping,
@@ -1697,7 +1794,7 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        tiles=tiles,
+        tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -1743,8 +1840,9 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
     if total == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (len(lens), triton.cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
-    _flatten_kernel[grid](
+    grid = (len(lens), _cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    _launch(
+        _flatten_kernel, grid,
         key,
         value,
         block_tables,
@@ -1810,8 +1908,9 @@ def decode(
 
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
     rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _rotate_query_kernel[(triton.cdiv(q.shape[0], 16),)](
-        q.contiguous(), tables["key_matrix"], rotated, q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl, launch_pdl=pdl
+    _launch(
+        _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+        q.contiguous(), tables["key_matrix"], rotated, q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl, launch_pdl=pdl,
     )
     q = rotated  # in position order
     q = q.contiguous()
@@ -1820,9 +1919,9 @@ def decode(
     # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
-    wanted = max(1, min(max_splits, triton.cdiv(_target_programs(cache.device, splits_per_sm), batch * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, triton.next_power_of_2(triton.cdiv(capacity, wanted)))
-    num_splits = triton.cdiv(capacity, tokens_per_split)
+    wanted = max(1, min(max_splits, _cdiv(_target_programs(cache.device, splits_per_sm), batch * cache.num_kv_heads)))
+    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
+    num_splits = _cdiv(capacity, tokens_per_split)
     rows = batch * num_q_heads
     partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=cache.device)
     partial_max = torch.empty(rows, num_splits, dtype=torch.float32, device=cache.device)
@@ -1830,7 +1929,8 @@ def decode(
     kernel = _decode_kernel
     if _gluon_decode(query, cache, group):
         kernel, block_n, num_warps, register_cap = _decode_kernel_gluon, 32, 1, []  # its layouts: one warp, 32 tokens
-    kernel[(batch, cache.num_kv_heads, num_splits)](
+    _launch(
+        kernel, (batch, cache.num_kv_heads, num_splits),
         q,
         block_tables,
         seq_lens,
@@ -1856,7 +1956,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, _pow2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -1886,9 +1986,10 @@ def _reduce(
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    _decode_reduce_kernel[(rows,)](
+    _launch(
+        _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, value_matrix, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

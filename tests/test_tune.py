@@ -30,14 +30,15 @@ def test_a_register_cap_goes_last_in_the_setting(monkeypatch):
 
 
 class LaunchSpy:
-    """Stands in for a kernel: records each launch's keywords, then launches the real one."""
+    """Stands in for a kernel: records each launch's arguments by name (positional ones too), then launches the real
+    one."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append(kwargs)
+            self.launches.append({**dict(zip(self.kernel.arg_names, args)), **kwargs})
             return self.kernel[grid](*args, **kwargs)
         return launch
 

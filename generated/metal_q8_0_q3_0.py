@@ -1223,9 +1223,9 @@ def _tables(head_dim: int, device: torch.device) -> dict:
 # ---------------------------------------------------------------- launching
 # Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
 # arguments is a good share of an eager call's host time. _launch takes Triton's path once per launch key, which
-# compiles (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself. H100 host, eager calls,
-# 8 x 8k, head_dim 128: decode 205-213 -> 150-156 us per int4_token call (38 us of GPU time), a decode step's fill
-# 73-84 -> 63-65 us (docs/benchmarks.md, session 17).
+# compiles (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself. H100 host, eager
+# calls at 8 x 8k, head_dim 128, interleaved medians: decode 17-21% less host time per call (int4_token 183 -> 149
+# us, against 38 us of GPU time), a decode step's fill 13% less, flatten 6-10% (docs/benchmarks.md, session 17).
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -920,6 +920,15 @@ def test_assembled_cache_with_wrong_layout_is_refused(name):
         with pytest.raises(ValueError, match=field):
             m.fill(cache, key, key, slots)
     m.fill(good, key, key, slots)  # the untouched cache still works
+    # A cache that passed is not checked again on every call, but is once a field is set to another object.
+    for field, cache in bad_caches.items():
+        attr = field.removeprefix("cache.")
+        original = getattr(good, attr)
+        setattr(good, attr, getattr(cache, attr))
+        with pytest.raises(ValueError, match=field):
+            m.decode(key[:1], good, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
+        setattr(good, attr, original)
+    m.fill(good, key, key, slots)
 
 
 @pytest.mark.parametrize("name", ALL_SCHEMES)

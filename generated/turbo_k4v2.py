@@ -1594,17 +1594,13 @@ def _specialization(arg) -> tuple:
     integer's type (i32, i64 or u64), whether it is divisible by 16, and whether it is 1 (Triton makes a 1 a
     constant); the type of a float, bool or None. Arguments with equal tuples run the same compiled kernel
     (tests/test_launch.py checks this against Triton's own specialization)."""
-    kind = type(arg)  # exact types first: a launch takes a dozen or more arguments
-    if kind is int:
+    kind = type(arg)
+    if kind is not bool and isinstance(arg, int):
         return (int, arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31), -(1 << 63) <= arg < (1 << 63))
-    if kind is float or kind is bool or arg is None:
+    if kind is bool or arg is None or isinstance(arg, float):
         return (kind,)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool) or isinstance(arg, float):
-        return (type(arg),)
-    if isinstance(arg, int):
-        return (int, arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31), -(1 << 63) <= arg < (1 << 63))
     raise TypeError(f"_launch: no launch key for an argument of type {type(arg).__name__}")
 
 
@@ -2062,12 +2058,13 @@ def _check_cache(cache: KVCache) -> None:
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
     # An engine passes the same cache on every call: it is checked again only once one of its fields is another
     # object (a tensor replaced, the layout or head_dim set). The checks cost 5-10 us of an eager call's host time.
-    fields = tuple(value for name, value in vars(cache).items() if name != "_checked")
-    checked = vars(cache).get("_checked")
+    state = vars(cache)
+    fields = tuple(value for name, value in state.items() if name != "_checked")
+    checked = state.get("_checked")
     if checked is not None and len(checked) == len(fields) and all(a is b for a, b in zip(checked, fields)):
         return
     _check_cache_fields(cache)
-    vars(cache)["_checked"] = fields
+    state["_checked"] = fields
 
 
 def _check_cache_fields(cache: KVCache) -> None:

@@ -921,12 +921,13 @@ def test_assembled_cache_with_wrong_layout_is_refused(name):
             m.fill(cache, key, key, slots)
     m.fill(good, key, key, slots)  # the untouched cache still works
     # A cache that passed is not checked again on every call, but is once a field is set to another object.
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE)
     for field, cache in bad_caches.items():
         attr = field.removeprefix("cache.")
         original = getattr(good, attr)
         setattr(good, attr, getattr(cache, attr))
         with pytest.raises(ValueError, match=field):
-            m.decode(key[:1], good, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
+            m.decode(key[:1], good, tables, lens)
         setattr(good, attr, original)
     m.fill(good, key, key, slots)
 

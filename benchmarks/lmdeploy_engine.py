@@ -1,0 +1,372 @@
+"""LMDeploy 0.18's PyTorch engine end to end, with its own KV caches and with kvqc's.
+
+Each run is one (cache, mode, batch, prompt length) in its own process, so CUDA context, peak memory and the KV
+pool LMDeploy sizes from free memory belong to that run alone. Caches: LMDeploy fp16 (quant_policy 0), LMDeploy
+TurboQuant (quant_policy 42), and kvqc's turbo_k4v2 (42), int4_token (4), int8_token (8) put in with
+`kvqc.lmdeploy.install` before `pipeline(...)`. Modes: CUDA graphs (LMDeploy's default) and eager_mode=True.
+The model is a random-weight Hugging Face Llama built once into --model-cache (throughput does not depend on the
+weights); prompts are random token ids of exact length, passed to the engine as input_ids.
+
+Per run: prefill_s (submit until every request has its first token), decode_tok_s (all requests' tokens from
+that moment until the first request finishes, over decode_steps >= 100 steps), e2e_tok_s (output tokens over
+submit-to-last-token), kv_tokens (LMDeploy's num_gpu_blocks x block_size after the engine is built), peak_gib
+(torch.cuda.max_memory_allocated in the engine process; LMDeploy's tp=1 executor runs the model in-process),
+used_gib (cudaMemGetInfo: device memory in use at the end, CUDA context and graph pools included), and the
+failure's last line where a run fails (the matrix goes on).
+
+--agreement: greedy tokens of every cache against LMDeploy's own (fp16, and quant_policy 42 for turbo_k4v2), and
+prompt-logit error against fp16. LMDeploy's PyTorch engine returns logits only for the prompt (output_logits='all'
+with max_new_tokens=0), computed by prefill attention over K/V flattened from the quantized cache; the decode
+kernels' error shows in the token agreement.
+
+On the GPU machine (LMDeploy from ../shared/engines/lmdeploy-kit.sh, carried as .lmdeploy-kit):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lmdeploy-kit/*.whl
+    export PYTHONPATH=/tmp/site:$PWD TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+    python3 benchmarks/lmdeploy_engine.py --batch 32 --prompts 4096 16384 --out lmdeploy-engine.json
+    python3 benchmarks/lmdeploy_engine.py --agreement --out lmdeploy-agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+# cache name -> (LMDeploy quant_policy, kvqc scheme or None for LMDeploy's own kernels)
+CACHES = {
+    "lmdeploy-fp16": (0, None),
+    "lmdeploy-q42": (42, None),
+    "kvqc-turbo_k4v2": (42, "turbo_k4v2"),
+    "kvqc-int4_token": (4, "int4_token"),
+    "kvqc-int8_token": (8, "int8_token"),
+}
+MODES = {"graph": False, "eager": True}  # mode -> PytorchEngineConfig.eager_mode
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; prompts draw from the words after them
+LMDEPLOY_PREFILL_TOKENS = 8192  # LMDeploy's default max_prefill_token_num
+MIN_DECODE_STEPS = 100
+LOGIT_POSITIONS = 256  # last prompt positions compared against fp16 (the longest contexts)
+WARMUP_PROMPT, WARMUP_TOKENS = 512, 8  # compiles the prefill/decode kernels before the timed batch
+SEED = 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON results path")
+    p.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes (default 32; 8 with --agreement)")
+    p.add_argument("--prompts", nargs="+", type=int, default=None,
+                   help="prompt lengths in tokens (default 4096 16384; 1024 with --agreement)")
+    p.add_argument("--new-tokens", type=int, default=None, help="output tokens (default 128; 64 with --agreement)")
+    p.add_argument("--agreement", action="store_true", help="greedy-token agreement and logit error mode")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--model-cache", default=os.path.expanduser("~/.cache/kvqc/lmdeploy-models"))
+    p.add_argument("--cache-frac", type=float, default=0.8, help="PytorchEngineConfig.cache_max_entry_count")
+    p.add_argument("--run-timeout", type=int, default=1800, help="seconds before a run is killed and recorded failed")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run, for the worker process
+    args = p.parse_args(argv)
+    args.batch = args.batch or ([8] if args.agreement else [32])
+    args.prompts = args.prompts or ([1024] if args.agreement else [4096, 16384])
+    args.new_tokens = args.new_tokens or (64 if args.agreement else 128)
+    return args
+
+
+# -- the model (built in a worker process so the parent never holds GPU memory)
+
+def model_dir(args) -> Path:
+    name = f"llama-L{args.layers}-h{args.hidden}-q{args.heads}-kv{args.kv_heads}-i{args.intermediate}-v{args.vocab}"
+    return Path(args.model_cache) / name
+
+
+def build_model(spec: dict) -> dict:
+    """Random-weight fp16 LlamaForCausalLM plus a word-level tokenizer (word i <-> token id i) in spec['model']."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(spec["model"])
+    tmp = out.with_name(out.name + ".partial")
+    words = SPECIAL_TOKENS + [f"w{i}" for i in range(len(SPECIAL_TOKENS), spec["vocab"])]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    config = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                         num_key_value_heads=spec["kv_heads"], head_dim=spec["hidden"] // spec["heads"],
+                         max_position_embeddings=131072, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):  # random init of ~2B parameters is minutes on the CPU, seconds here
+        model = LlamaForCausalLM(config).to(torch.float16)
+    model.save_pretrained(tmp)
+    fast.save_pretrained(tmp)
+    tmp.rename(out)  # a folder that exists is complete
+    return {"model": str(out)}
+
+
+# -- one run (worker process)
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+    rng = random.Random(f"{seed}-{batch}-{length}")  # same prompts for every cache and mode
+    return [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)] for _ in range(batch)]
+
+
+async def generate(engine, prompts: list[list[int]], gen_config) -> tuple[float, list[list[tuple[float, int]]], list]:
+    """Submit every prompt at once; per request, (arrival time, tokens in that chunk) of each streamed output."""
+    async def one(ids):
+        request = await engine.preprocess(messages=None, session_id=engine.session_mgr.get(), input_ids=ids,
+                                          gen_config=gen_config, do_preprocess=False)
+        stamps, tokens = [], []
+        async for out in engine.generate(request, stream_response=True):
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request failed in the engine: {out.response!r}")
+            if out.token_ids:
+                stamps.append((time.perf_counter(), len(out.token_ids)))
+                tokens += out.token_ids
+        return stamps, tokens
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(ids) for ids in prompts))
+    return start, [r[0] for r in results], [r[1] for r in results]
+
+
+def timings(start: float, stamps: list[list[tuple[float, int]]]) -> dict:
+    """Prefill, steady-state decode and end-to-end rates from each request's token arrival times."""
+    all_first = max(s[0][0] for s in stamps)  # every request has its first token: the batch is decoding
+    first_done = min(s[-1][0] for s in stamps)  # after this the batch shrinks
+    last = max(s[-1][0] for s in stamps)
+    in_window = [sum(n for t, n in s if all_first < t <= first_done) for s in stamps]
+    latest = max(range(len(stamps)), key=lambda i: stamps[i][0][0])
+    total = sum(n for s in stamps for _, n in s)
+    window = first_done - all_first
+    return {
+        "prefill_s": all_first - start,
+        "decode_tok_s": sum(in_window) / window if window > 0 else None,
+        "decode_steps": in_window[latest],  # one token per step for the request that started last
+        "e2e_tok_s": total / (last - start),
+        "e2e_s": last - start,
+        "output_tokens": total,
+    }
+
+
+def prompt_logits(pipe, prompts: list[list[int]]):
+    """The last LOGIT_POSITIONS prompt logits per prompt [batch, positions, vocab] (fp16, CPU)."""
+    import torch
+    future = asyncio.run_coroutine_threadsafe(pipe.async_engine.async_get_logits(input_ids=prompts),
+                                              pipe.internal_thread.loop)
+    return torch.stack([torch.as_tensor(x).squeeze()[-LOGIT_POSITIONS:].float().cpu().half()
+                        for x in future.result()])
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+    import torch
+    versions = {}
+    for package in ("torch", "triton", "lmdeploy", "transformers"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            versions[package] = None
+    return {"device": torch.cuda.get_device_name(), "versions": versions}
+
+
+def run_one(spec: dict) -> dict:
+    """Build LMDeploy's pipeline for one cache and mode, warm it up, then time one batch."""
+    import torch
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    policy, scheme = CACHES[spec["cache"]]
+    if scheme:
+        import kvqc.lmdeploy
+        # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
+        kvqc.lmdeploy.install(scheme, quant_policy=policy, allow_incompatible=policy not in kvqc.lmdeploy.BYTE_COMPATIBLE)
+    length, batch, new = spec["prompt"], spec["batch"], spec["new_tokens"]
+    block = 64  # LMDeploy's default block_size; session_len rounded up to whole blocks
+    config = PytorchEngineConfig(
+        dtype="float16", quant_policy=policy, eager_mode=MODES[spec["mode"]], max_batch_size=batch,
+        session_len=-(-(length + new + 1) // block) * block, cache_max_entry_count=spec["cache_frac"],
+        max_prefill_token_num=max(LMDEPLOY_PREFILL_TOKENS, length),  # a prompt is one prefill, never chunked
+        block_size=block)
+    result = {"env": environment()}
+    pipe = pipeline(spec["model"], backend_config=config, log_level="WARNING")
+    cache = pipe.async_engine.engine.cache_config  # sized from free memory while the engine was built
+    result["kv_blocks"], result["block_size"] = cache.num_gpu_blocks, cache.block_size
+    result["kv_tokens"] = (cache.num_gpu_blocks - cache.num_reserved_gpu_blocks) * cache.block_size
+    result["kv_fits_batch"] = result["kv_tokens"] >= batch * (length + new)
+    loop = pipe.internal_thread.loop
+
+    def run(prompts, tokens):
+        gen = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, do_sample=False)
+        return asyncio.run_coroutine_threadsafe(generate(pipe.async_engine, prompts, gen), loop).result()
+
+    run(make_prompts(min(batch, 2), min(length, WARMUP_PROMPT), spec["vocab"], SEED + 1), WARMUP_TOKENS)
+    prompts = make_prompts(batch, length, spec["vocab"], SEED)
+    start, stamps, tokens = run(prompts, new)
+    result.update(timings(start, stamps))
+    if spec.get("logits"):
+        torch.save(prompt_logits(pipe, prompts), spec["logits"])
+        result["tokens"] = tokens
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    free, total = torch.cuda.mem_get_info()
+    result["used_gib"] = (total - free) / 2**30
+    return result
+
+
+def worker(spec: dict) -> None:
+    """Run one spec and write its JSON; a failure is written too, with the exception's last line."""
+    try:
+        result = build_model(spec) if spec.get("build") else run_one(spec)
+    except BaseException as e:  # noqa: BLE001 - everything, including SystemExit from inside LMDeploy, is a result
+        traceback.print_exc()
+        result = {"failed": True, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
+    Path(spec["result"]).write_text(json.dumps(result))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # LMDeploy's engine threads can keep a normal exit waiting
+
+
+# -- the matrix (parent process: no CUDA)
+
+def spawn(spec: dict, work: Path, timeout: int) -> dict:
+    """Run spec in a fresh Python process; its result, or a failure with the last line it printed."""
+    spec = dict(spec, result=str(work / f"{spec['name']}.json"))
+    log = work / f"{spec['name']}.log"
+    began = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child", json.dumps(spec)], stdout=f,
+                           stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"failed": True, "error": f"timed out after {timeout} s", "log": str(log)}
+    result_path = Path(spec["result"])
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+    else:  # killed before it could write (out of memory, a crash in native code)
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        result = {"failed": True, "error": lines[-1] if lines else "no output"}
+    result.update(wall_s=time.perf_counter() - began, log=str(log))
+    return result
+
+
+def compare_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Position-by-position agreement: overall, and up to each request's first divergence."""
+    same = total = prefix = 0
+    for a, b in zip(ours, theirs):
+        n = min(len(a), len(b))
+        matches = [x == y for x, y in zip(a[:n], b[:n])]
+        same, total = same + sum(matches), total + n
+        prefix += matches.index(False) if False in matches else n
+    return {"overall": same / total if total else None, "until_divergence": prefix / total if total else None}
+
+
+def compare_logits(ours: str, theirs: str) -> dict:
+    import torch
+    a, b = torch.load(ours).float(), torch.load(theirs).float()
+    return {"rel_rms": float((a - b).norm() / b.norm()), "max_abs": float((a - b).abs().max()),
+            "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
+def agreement(runs: list[dict]) -> list[dict]:
+    """Each cache's greedy tokens and prompt logits against LMDeploy fp16 and, for turbo_k4v2, quant_policy 42."""
+    rows = []
+    by_key = {(r["cache"], r["mode"], r["batch"], r["prompt"]): r for r in runs if not r.get("failed")}
+    for (cache, mode, batch, prompt), run in by_key.items():
+        for ref in ("lmdeploy-fp16", "lmdeploy-q42"):
+            other = by_key.get((ref, mode, batch, prompt))
+            if other is None or cache == ref or (ref == "lmdeploy-q42" and cache != "kvqc-turbo_k4v2"):
+                continue
+            row = {"cache": cache, "against": ref, "mode": mode, "batch": batch, "prompt": prompt,
+                   "tokens": compare_tokens(run["tokens"], other["tokens"])}
+            if ref == "lmdeploy-fp16":
+                row["logits"] = compare_logits(run["logits_path"], other["logits_path"])
+            rows.append(row)
+    return rows
+
+
+def fmt(x, digits=0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def print_tables(runs: list[dict], rows: list[dict]) -> None:
+    print("\n| cache | mode | batch | prompt | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in runs:
+        head = f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} |"
+        if r.get("failed"):
+            print(f"{head} failed: `{r['error'][:160]}` | | | | |")
+            continue
+        fits = "" if r["kv_fits_batch"] else " (batch does not fit)"
+        print(f"{head} {fmt(r['prefill_s'], 2)} | {fmt(r['decode_tok_s'])} ({r['decode_steps']}) | "
+              f"{fmt(r['e2e_tok_s'])} | {fmt(r['kv_tokens'])}{fits} | {fmt(r['peak_gib'], 1)} |")
+    if rows:
+        print("\n| cache | against | mode | tokens same | same until divergence | logits rel RMS | max abs | top-1 |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for a in rows:
+            lg = a.get("logits", {})
+            print(f"| {a['cache']} | {a['against']} | {a['mode']} | {fmt(a['tokens']['overall'], 3)} | "
+                  f"{fmt(a['tokens']['until_divergence'], 3)} | {fmt(lg.get('rel_rms'), 4)} | "
+                  f"{fmt(lg.get('max_abs'), 3)} | {fmt(lg.get('top1'), 3)} |")
+
+
+def main(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="kvqc-lmdeploy-"))
+    model = model_dir(args)
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
+    if not model.exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        print(f"building the random-weight model in {model}", flush=True)
+        built = spawn(dict(shape, name="build-model", build=True, model=str(model)), work, args.run_timeout)
+        if built.get("failed"):
+            sys.exit(f"building the model failed: {built['error']} (log: {built['log']})")
+    runs, env = [], {}
+    for batch in args.batch:
+        for prompt in args.prompts:
+            for mode in args.modes:
+                for cache in args.caches:
+                    name = f"{cache}-{mode}-b{batch}-p{prompt}"
+                    spec = dict(shape, name=name, cache=cache, mode=mode, batch=batch, prompt=prompt,
+                                new_tokens=args.new_tokens, model=str(model), cache_frac=args.cache_frac)
+                    if args.agreement:
+                        spec["logits"] = str(work / f"{name}.logits.pt")
+                    print(f"run {name}", flush=True)
+                    result = spawn(spec, work, args.run_timeout)
+                    env = env or result.pop("env", {})
+                    result.pop("env", None)
+                    result.update(cache=cache, mode=mode, batch=batch, prompt=prompt, new_tokens=args.new_tokens,
+                                  logits_path=spec.get("logits"))
+                    if result.get("failed"):
+                        print(f"  failed: {result['error']} (log: {result['log']})", flush=True)
+                    elif result["decode_steps"] < MIN_DECODE_STEPS and not args.agreement:
+                        print(f"  only {result['decode_steps']} steps with the whole batch decoding "
+                              f"(raise --new-tokens)", flush=True)
+                    runs.append(result)
+    rows = agreement(runs) if args.agreement else []
+    print_tables(runs, rows)
+    report = dict(env, command=shlex.join([Path(sys.executable).name] + sys.argv), model=shape, runs=runs,
+                  agreement=rows, peak_gib_source="torch.cuda.max_memory_allocated in the engine process")
+    for r in runs:  # tokens were only needed for the comparison
+        r.pop("tokens", None)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvqc from this checkout
+    if arguments.child:
+        worker(json.loads(arguments.child))
+    else:
+        main(arguments)

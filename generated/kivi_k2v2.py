@@ -217,7 +217,7 @@ def _flatten_kernel(
     value_out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    cu_seq_lens_ptr,
+    start_loc_ptr,
     key_codes_ptr,
     key_meta_ptr,
     value_codes_ptr,
@@ -229,6 +229,9 @@ def _flatten_kernel(
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
+    out_rows,
+    stride_out_token,
+    stride_out_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -237,7 +240,8 @@ def _flatten_kernel(
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
+    """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
+    out_rows are not written)."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
@@ -255,7 +259,9 @@ def _flatten_kernel(
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
+    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+    written = in_seq & (out_token >= 0) & (out_token < out_rows)
+    out_at = out_token * stride_out_token + head * stride_out_head
     # The last 128 tokens are copied from the ring as they were given, not dequantized.
     ring = tl.load(window_index_ptr + seq).to(tl.int64)
     recent = in_seq & (position >= seq_len - 128) & (ring >= 0) & (ring < max_seqs)
@@ -326,27 +332,27 @@ def _flatten_kernel(
 
     tile_0 = tl.where(recent[:, None], tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_0)
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + key_chunk[None, :],
         tile_0.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_1 = tl.where(recent[:, None], tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_1)
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
         tile_1.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_2 = tl.where(recent[:, None], tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_2)
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + 2 * KEY_CHUNK + key_chunk[None, :],
         tile_2.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_3 = tl.where(recent[:, None], tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_3)
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + 3 * KEY_CHUNK + key_chunk[None, :],
         tile_3.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
 
     # value
@@ -421,27 +427,27 @@ def _flatten_kernel(
 
     tile_0 = tl.where(recent[:, None], tl.load(value_window_ptr + ring_row[:, None] * HEAD_DIM + value_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_0)
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + value_chunk[None, :],
         tile_0.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_1 = tl.where(recent[:, None], tl.load(value_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_1)
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
         tile_1.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_2 = tl.where(recent[:, None], tl.load(value_window_ptr + ring_row[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_2)
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
         tile_2.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tile_3 = tl.where(recent[:, None], tl.load(value_window_ptr + ring_row[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :], mask=recent[:, None], other=0.0).to(tl.float32), tile_3)
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
         tile_3.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
 
 
@@ -1319,49 +1325,76 @@ def _check_window_tokens(cache: KVCache, slot_mapping: torch.Tensor, positions: 
 
 
 def flatten(
-    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, window_index: torch.Tensor
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_index: torch.Tensor,
+    *,
+    out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+    start_loc: "torch.Tensor | None" = None,
 ) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Dequantize each sequence's cached tokens into contiguous key, value [sum(seq_lens), num_kv_heads, head_dim].
+    """Dequantize each sequence's cached tokens into key, value [rows, num_kv_heads, head_dim].
 
-    Sequences follow one another; values are in the input basis and the cache's dtype. The output's size is
-    sum(seq_lens), so seq_lens is read on the host: given on the cache's device, that waits for the GPU; given on
-    the CPU (as engines keep it), nothing waits and one small copy takes it to the kernel.
+    By default the output is new tensors in the cache's dtype, sequences packed one after another
+    (rows = sum(seq_lens)); their size is read on the host: seq_lens given on the cache's device waits for the GPU,
+    given on the CPU (as engines keep it) nothing waits and one small copy takes it to the kernel.
     A sequence's last WINDOW tokens come from its ring row window_index[b], as they were given.
+
+    out=(key, value) writes into an engine's buffers instead, each [rows, num_kv_heads, head_dim] with any row and
+    head strides and a contiguous last dim (a [num_kv_heads, rows, head_dim] buffer transposed is one), sequence b
+    from row start_loc[b] (default: packed from row 0); nothing is read on the host, rows past the buffers' end are
+    not written, and the buffers are returned. Values are in the input basis.
     """
     _check_cache(cache)
-    on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
-    if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
-        raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
-    _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
-    _check_window_index(cache, window_index, block_tables.shape[0])
-    lens = seq_lens.tolist()
-    capacity = block_tables.shape[1] * cache.block_size
-    for i, n in enumerate(lens):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    # One copy carries the lengths and the output offsets (a host copy is queued behind the GPU's work, not waited for).
-    lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
-    seq_lens, cu_seq_lens = lengths[:len(lens)], lengths[len(lens):]
-    if _checking(cache.device):
-        _check_block_ids(cache, block_tables, seq_lens)
-    total = sum(lens)
-    shape = (total, cache.num_kv_heads, cache.head_dim)
-    key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    if total == 0:
+    capacity = block_tables.shape[1] * cache.block_size if isinstance(block_tables, torch.Tensor) else 0
+    if out is None:
+        if start_loc is not None:
+            raise ValueError("start_loc: places sequences in out's rows; pass out=(key, value) with it")
+        on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
+        if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
+            raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
+        _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
+        _check_window_index(cache, window_index, block_tables.shape[0])
+        lens = seq_lens.tolist()
+        for i, n in enumerate(lens):
+            if not 0 <= n <= capacity:
+                raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        # One copy carries the lengths and the output offsets (queued behind the GPU's work, not waited for).
+        lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
+        seq_lens, start_loc = lengths[:len(lens)], lengths[len(lens):]
+        if _checking(cache.device):
+            _check_block_ids(cache, block_tables, seq_lens)
+        shape = (sum(lens), cache.num_kv_heads, cache.head_dim)
+        key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        longest = max(lens, default=0)
+    else:
+        _check_paging(cache, block_tables, seq_lens)
+        _check_window_index(cache, window_index, block_tables.shape[0])
+        key, value = _check_flatten_out(cache, out)
+        if start_loc is None:
+            start_loc = torch.cumsum(seq_lens, 0) - seq_lens
+        else:
+            _check_tensor("start_loc", start_loc, cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+        if _checking(cache.device) and block_tables.shape[0]:
+            if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
+                raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
+            _check_block_ids(cache, block_tables, seq_lens)
+        longest = capacity  # the kernel's programs past a sequence's end return at once
+    if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (len(lens), _cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
         value,
         block_tables,
         seq_lens,
-        cu_seq_lens,
+        start_loc,
         cache.key_codes,
         cache.key_meta,
         cache.value_codes,
@@ -1373,6 +1406,9 @@ def flatten(
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
+        key.shape[0],
+        key.stride(0),
+        key.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
@@ -1380,6 +1416,27 @@ def flatten(
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
     )
+    return key, value
+
+
+def _check_flatten_out(cache: KVCache, out) -> "tuple[torch.Tensor, torch.Tensor]":
+    """flatten's out=(key, value): two float tensors [rows, num_kv_heads, head_dim] on the cache's device with the
+    same shape and strides (one pair of strides reaches both), the last dim contiguous, no two rows overlapping."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a (key, value) pair of tensors, got {type(out).__name__}")
+    key, value = out
+    for name, t in (("out[0]", key), ("out[1]", value)):
+        _check_tensor(name, t, cache.device, _FLOAT_DTYPES, ("rows", cache.num_kv_heads, cache.head_dim))
+    if value.shape != key.shape or value.stride() != key.stride():
+        raise ValueError(f"out[1]: expected key's shape {list(key.shape)} and strides {key.stride()}, got "
+                         f"{list(value.shape)} and {value.stride()}")
+    # Rows of head_dim values must not alias: the smaller stride spans a row, the larger one the other dim's extent.
+    spans = sorted((stride, extent) for stride, extent in zip(key.stride()[:2], key.shape[:2]) if extent > 1)
+    inner = cache.head_dim
+    for stride, extent in spans:
+        if stride < inner:
+            raise ValueError(f"out: rows overlap (strides {key.stride()}); pass buffers whose rows and heads do not alias")
+        inner = stride * extent
     return key, value
 
 

@@ -516,7 +516,7 @@ def _flatten_kernel(
     value_out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    cu_seq_lens_ptr,
+    start_loc_ptr,
     key_codes_ptr,
     key_meta_ptr,
     key_matrix_ptr,
@@ -528,6 +528,9 @@ def _flatten_kernel(
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
+    out_rows,
+    stride_out_token,
+    stride_out_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -535,8 +538,10 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROTATED: tl.constexpr,
 ):
-    """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
+    """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
+    out_rows are not written). ROTATED keeps the rotated basis (position order): no way back."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
@@ -553,7 +558,9 @@ def _flatten_kernel(
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
+    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+    written = in_seq & (out_token >= 0) & (out_token < out_rows)
+    out_at = out_token * stride_out_token + head * stride_out_head
     # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
     # per side.
     key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -588,47 +595,51 @@ def _flatten_kernel(
 
     tile_1 = tile
 
-    # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
-    parity = key_chunk[:, None] & key_chunk[None, :]
-    parity = parity ^ (parity >> 4)
-    parity = parity ^ (parity >> 2)
-    parity = parity ^ (parity >> 1)
-    key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if key_out_ptr.dtype.element_ty == tl.float32:
-        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-        tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-        tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-        tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+    if ROTATED:
+        tile_0 = tile_0.to(tl.float32)
+        tile_1 = tile_1.to(tl.float32)
     else:
-        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-        tile_0 = tl.dot(hi_0, key_hadamard)
-        hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
-        tile_1 = tl.dot(hi_1, key_hadamard)
-    twin = tile_0 - tile_1
-    tile_0 = tile_0 + tile_1
-    tile_1 = twin
+        # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
+        parity = key_chunk[:, None] & key_chunk[None, :]
+        parity = parity ^ (parity >> 4)
+        parity = parity ^ (parity >> 2)
+        parity = parity ^ (parity >> 1)
+        key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+        if key_out_ptr.dtype.element_ty == tl.float32:
+            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            tile = tile_0 * spread[:, None]
+            hi_0 = tile.to(tl.float16)
+            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+            tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+            tile = tile_1 * spread[:, None]
+            hi_1 = tile.to(tl.float16)
+            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+            tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+        else:
+            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
+            tile_0 = tl.dot(hi_0, key_hadamard)
+            hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
+            tile_1 = tl.dot(hi_1, key_hadamard)
+        twin = tile_0 - tile_1
+        tile_0 = tile_0 + tile_1
+        tile_1 = twin
 
-    largest = largest * (1.0 / HEAD_DIM ** 0.5)
-    tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-    tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+        tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+        tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
 
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + key_chunk[None, :],
         tile_0.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        key_out_ptr + out_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+        key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
         tile_1.to(key_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
 
     # value
@@ -753,144 +764,154 @@ def _flatten_kernel(
 
     tile_7 = tile
 
-    # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
-    parity = value_chunk[:, None] & value_chunk[None, :]
-    parity = parity ^ (parity >> 4)
-    parity = parity ^ (parity >> 2)
-    parity = parity ^ (parity >> 1)
-    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if value_out_ptr.dtype.element_ty == tl.float32:
-        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-        tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-        tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-        tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-        tile = tile_2 * spread[:, None]
-        hi_2 = tile.to(tl.float16)
-        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-        tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-        tile = tile_3 * spread[:, None]
-        hi_3 = tile.to(tl.float16)
-        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-        tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-        tile = tile_4 * spread[:, None]
-        hi_4 = tile.to(tl.float16)
-        lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-        tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
-        tile = tile_5 * spread[:, None]
-        hi_5 = tile.to(tl.float16)
-        lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-        tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
-        tile = tile_6 * spread[:, None]
-        hi_6 = tile.to(tl.float16)
-        lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-        tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
-        tile = tile_7 * spread[:, None]
-        hi_7 = tile.to(tl.float16)
-        lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-        tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+    if ROTATED:
+        tile_0 = tile_0.to(tl.float32) * value_norm[:, None]
+        tile_1 = tile_1.to(tl.float32) * value_norm[:, None]
+        tile_2 = tile_2.to(tl.float32) * value_norm[:, None]
+        tile_3 = tile_3.to(tl.float32) * value_norm[:, None]
+        tile_4 = tile_4.to(tl.float32) * value_norm[:, None]
+        tile_5 = tile_5.to(tl.float32) * value_norm[:, None]
+        tile_6 = tile_6.to(tl.float32) * value_norm[:, None]
+        tile_7 = tile_7.to(tl.float32) * value_norm[:, None]
     else:
-        # The codebook's values as they stand (the row factor follows the matrix).
-        largest = tl.full([BLOCK_T], 1.0, tl.float32)
-        tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
-        tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
-        tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
-        tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
-        tile_4 = tl.dot(tile_4.to(tl.float16), value_hadamard)
-        tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
-        tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
-        tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
-    twin = tile_0 - tile_1
-    tile_0 = tile_0 + tile_1
-    tile_1 = twin
-    twin = tile_2 - tile_3
-    tile_2 = tile_2 + tile_3
-    tile_3 = twin
-    twin = tile_4 - tile_5
-    tile_4 = tile_4 + tile_5
-    tile_5 = twin
-    twin = tile_6 - tile_7
-    tile_6 = tile_6 + tile_7
-    tile_7 = twin
-    twin = tile_0 - tile_2
-    tile_0 = tile_0 + tile_2
-    tile_2 = twin
-    twin = tile_1 - tile_3
-    tile_1 = tile_1 + tile_3
-    tile_3 = twin
-    twin = tile_4 - tile_6
-    tile_4 = tile_4 + tile_6
-    tile_6 = twin
-    twin = tile_5 - tile_7
-    tile_5 = tile_5 + tile_7
-    tile_7 = twin
-    twin = tile_0 - tile_4
-    tile_0 = tile_0 + tile_4
-    tile_4 = twin
-    twin = tile_1 - tile_5
-    tile_1 = tile_1 + tile_5
-    tile_5 = twin
-    twin = tile_2 - tile_6
-    tile_2 = tile_2 + tile_6
-    tile_6 = twin
-    twin = tile_3 - tile_7
-    tile_3 = tile_3 + tile_7
-    tile_7 = twin
+        # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
+        parity = value_chunk[:, None] & value_chunk[None, :]
+        parity = parity ^ (parity >> 4)
+        parity = parity ^ (parity >> 2)
+        parity = parity ^ (parity >> 1)
+        value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+        if value_out_ptr.dtype.element_ty == tl.float32:
+            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            tile = tile_0 * spread[:, None]
+            hi_0 = tile.to(tl.float16)
+            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+            tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+            tile = tile_1 * spread[:, None]
+            hi_1 = tile.to(tl.float16)
+            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+            tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+            tile = tile_2 * spread[:, None]
+            hi_2 = tile.to(tl.float16)
+            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+            tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+            tile = tile_3 * spread[:, None]
+            hi_3 = tile.to(tl.float16)
+            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+            tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+            tile = tile_4 * spread[:, None]
+            hi_4 = tile.to(tl.float16)
+            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+            tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
+            tile = tile_5 * spread[:, None]
+            hi_5 = tile.to(tl.float16)
+            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+            tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
+            tile = tile_6 * spread[:, None]
+            hi_6 = tile.to(tl.float16)
+            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+            tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
+            tile = tile_7 * spread[:, None]
+            hi_7 = tile.to(tl.float16)
+            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+            tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+        else:
+            # The codebook's values as they stand (the row factor follows the matrix).
+            largest = tl.full([BLOCK_T], 1.0, tl.float32)
+            tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+            tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+            tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+            tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
+            tile_4 = tl.dot(tile_4.to(tl.float16), value_hadamard)
+            tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
+            tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
+            tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
+        twin = tile_0 - tile_1
+        tile_0 = tile_0 + tile_1
+        tile_1 = twin
+        twin = tile_2 - tile_3
+        tile_2 = tile_2 + tile_3
+        tile_3 = twin
+        twin = tile_4 - tile_5
+        tile_4 = tile_4 + tile_5
+        tile_5 = twin
+        twin = tile_6 - tile_7
+        tile_6 = tile_6 + tile_7
+        tile_7 = twin
+        twin = tile_0 - tile_2
+        tile_0 = tile_0 + tile_2
+        tile_2 = twin
+        twin = tile_1 - tile_3
+        tile_1 = tile_1 + tile_3
+        tile_3 = twin
+        twin = tile_4 - tile_6
+        tile_4 = tile_4 + tile_6
+        tile_6 = twin
+        twin = tile_5 - tile_7
+        tile_5 = tile_5 + tile_7
+        tile_7 = twin
+        twin = tile_0 - tile_4
+        tile_0 = tile_0 + tile_4
+        tile_4 = twin
+        twin = tile_1 - tile_5
+        tile_1 = tile_1 + tile_5
+        tile_5 = twin
+        twin = tile_2 - tile_6
+        tile_2 = tile_2 + tile_6
+        tile_6 = twin
+        twin = tile_3 - tile_7
+        tile_3 = tile_3 + tile_7
+        tile_7 = twin
 
-    largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
-    tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-    tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_4 = tile_4 * largest[:, None] * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_5 = tile_5 * largest[:, None] * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_6 = tile_6 * largest[:, None] * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-    tile_7 = tile_7 * largest[:, None] * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
+        tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+        tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_4 = tile_4 * largest[:, None] * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_5 = tile_5 * largest[:, None] * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_6 = tile_6 * largest[:, None] * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+        tile_7 = tile_7 * largest[:, None] * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
 
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + value_chunk[None, :],
         tile_0.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
         tile_1.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
         tile_2.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
         tile_3.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 4 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 4 * VALUE_CHUNK + value_chunk[None, :],
         tile_4.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 5 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 5 * VALUE_CHUNK + value_chunk[None, :],
         tile_5.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 6 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 6 * VALUE_CHUNK + value_chunk[None, :],
         tile_6.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
     tl.store(
-        value_out_ptr + out_row[:, None] * HEAD_DIM + 7 * VALUE_CHUNK + value_chunk[None, :],
+        value_out_ptr + out_at[:, None] + 7 * VALUE_CHUNK + value_chunk[None, :],
         tile_7.to(value_out_ptr.dtype.element_ty),
-        mask=in_seq[:, None],
+        mask=written[:, None],
     )
 
 
@@ -1528,46 +1549,78 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
     )
 
 
-def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Dequantize each sequence's cached tokens into contiguous key, value [sum(seq_lens), num_kv_heads, head_dim].
+def flatten(
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+    start_loc: "torch.Tensor | None" = None,
+    rotated: bool = False,
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Dequantize each sequence's cached tokens into key, value [rows, num_kv_heads, head_dim].
 
-    Sequences follow one another; values are in the input basis and the cache's dtype. The output's size is
-    sum(seq_lens), so seq_lens is read on the host: given on the cache's device, that waits for the GPU; given on
-    the CPU (as engines keep it), nothing waits and one small copy takes it to the kernel.
+    By default the output is new tensors in the cache's dtype, sequences packed one after another
+    (rows = sum(seq_lens)); their size is read on the host: seq_lens given on the cache's device waits for the GPU,
+    given on the CPU (as engines keep it) nothing waits and one small copy takes it to the kernel.
+
+    out=(key, value) writes into an engine's buffers instead, each [rows, num_kv_heads, head_dim] with any row and
+    head strides and a contiguous last dim (a [num_kv_heads, rows, head_dim] buffer transposed is one), sequence b
+    from row start_loc[b] (default: packed from row 0); nothing is read on the host, rows past the buffers' end are
+    not written, and the buffers are returned. Values are in the input basis, or with rotated=True in the rotated
+    basis the codes live in, x @ rotation(side, head_dim).T, which skips the way back (attention is the same with
+    the query rotated by rotation("key", head_dim) and the output by rotation("value", head_dim).T).
     """
     _check_cache(cache)
-    on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
-    if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
-        raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
-    _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
-    lens = seq_lens.tolist()
-    capacity = block_tables.shape[1] * cache.block_size
-    for i, n in enumerate(lens):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    # One copy carries the lengths and the output offsets (a host copy is queued behind the GPU's work, not waited for).
-    lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
-    seq_lens, cu_seq_lens = lengths[:len(lens)], lengths[len(lens):]
-    if _checking(cache.device):
-        _check_block_ids(cache, block_tables, seq_lens)
-    total = sum(lens)
-    shape = (total, cache.num_kv_heads, cache.head_dim)
-    key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    if total == 0:
+    if not isinstance(rotated, bool):
+        raise ValueError(f"rotated: expected True or False, got {rotated!r}")
+    capacity = block_tables.shape[1] * cache.block_size if isinstance(block_tables, torch.Tensor) else 0
+    if out is None:
+        if start_loc is not None:
+            raise ValueError("start_loc: places sequences in out's rows; pass out=(key, value) with it")
+        on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
+        if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
+            raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
+        _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
+        lens = seq_lens.tolist()
+        for i, n in enumerate(lens):
+            if not 0 <= n <= capacity:
+                raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        # One copy carries the lengths and the output offsets (queued behind the GPU's work, not waited for).
+        lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
+        seq_lens, start_loc = lengths[:len(lens)], lengths[len(lens):]
+        if _checking(cache.device):
+            _check_block_ids(cache, block_tables, seq_lens)
+        shape = (sum(lens), cache.num_kv_heads, cache.head_dim)
+        key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        longest = max(lens, default=0)
+    else:
+        _check_paging(cache, block_tables, seq_lens)
+        key, value = _check_flatten_out(cache, out)
+        if start_loc is None:
+            start_loc = torch.cumsum(seq_lens, 0) - seq_lens
+        else:
+            _check_tensor("start_loc", start_loc, cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+        if _checking(cache.device) and block_tables.shape[0]:
+            if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
+                raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
+            _check_block_ids(cache, block_tables, seq_lens)
+        longest = capacity  # the kernel's programs past a sequence's end return at once
+    if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (len(lens), _cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
         value,
         block_tables,
         seq_lens,
-        cu_seq_lens,
+        start_loc,
         cache.key_codes,
         cache.key_meta,
         tables["key_matrix"],
@@ -1579,14 +1632,48 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
+        key.shape[0],
+        key.stride(0),
+        key.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
+        ROTATED=rotated,
     )
     return key, value
+
+
+def _check_flatten_out(cache: KVCache, out) -> "tuple[torch.Tensor, torch.Tensor]":
+    """flatten's out=(key, value): two float tensors [rows, num_kv_heads, head_dim] on the cache's device with the
+    same shape and strides (one pair of strides reaches both), the last dim contiguous, no two rows overlapping."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a (key, value) pair of tensors, got {type(out).__name__}")
+    key, value = out
+    for name, t in (("out[0]", key), ("out[1]", value)):
+        _check_tensor(name, t, cache.device, _FLOAT_DTYPES, ("rows", cache.num_kv_heads, cache.head_dim))
+    if value.shape != key.shape or value.stride() != key.stride():
+        raise ValueError(f"out[1]: expected key's shape {list(key.shape)} and strides {key.stride()}, got "
+                         f"{list(value.shape)} and {value.stride()}")
+    # Rows of head_dim values must not alias: the smaller stride spans a row, the larger one the other dim's extent.
+    spans = sorted((stride, extent) for stride, extent in zip(key.stride()[:2], key.shape[:2]) if extent > 1)
+    inner = cache.head_dim
+    for stride, extent in spans:
+        if stride < inner:
+            raise ValueError(f"out: rows overlap (strides {key.stride()}); pass buffers whose rows and heads do not alias")
+        inner = stride * extent
+    return key, value
+
+
+def rotation(side: str, head_dim: int, device: "str | torch.device" = "cpu") -> torch.Tensor:
+    """The float32 d x d rotation R of side "key" or "value": the codes hold R @ x in position order (what
+    flatten(..., rotated=True) returns)."""
+    if side not in ("key", "value"):
+        raise ValueError(f"side: expected 'key' or 'value', got {side!r}")
+    _check_head_dim(head_dim, "head_dim")
+    return _tables(head_dim, torch.device(device))[f"{side}_rotation"]
 
 
 def decode(

@@ -663,7 +663,7 @@ def _flatten_kernel(
     value_out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    cu_seq_lens_ptr,
+    start_loc_ptr,
     key_outlier_codes_ptr,
     key_outlier_meta_ptr,
     key_outlier_matrix_ptr,
@@ -687,6 +687,9 @@ def _flatten_kernel(
     num_blocks,
     stride_block_table,
     max_blocks_per_seq,
+    out_rows,
+    stride_out_token,
+    stride_out_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KEY_OUTLIER_DIM: tl.constexpr,
@@ -706,7 +709,8 @@ def _flatten_kernel(
     IN_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Dequantize BLOCK_T cached tokens of one sequence and KV head into the contiguous output."""
+    """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
+    out_rows are not written)."""
     seq = tl.program_id(0)
     position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
@@ -731,7 +735,9 @@ def _flatten_kernel(
     # A block id outside the cache reads as zeros instead of reading foreign memory.
     valid = in_seq & (block >= 0) & (block < num_blocks)
     row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_row = (tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + position) * NUM_KV_HEADS + head
+    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+    written = in_seq & (out_token >= 0) & (out_token < out_rows)
+    out_at = out_token * stride_out_token + head * stride_out_head
     # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
     # per side.
     key_outlier_bytes_0_0 = tl.load(key_outlier_codes_ptr + row[:, None] * (KEY_OUTLIER_DIM * 4 // 8) + key_outlier_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -834,7 +840,7 @@ def _flatten_kernel(
         else:
             out = tl.dot(hi_1, matrix, out)
         out = out * largest[:, None]
-        tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + KEY_OUTLIER_OFFSET + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None])
+        tl.store(key_out_ptr + out_at[:, None] + KEY_OUTLIER_OFFSET + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=written[:, None])
 
     # key
     key_c0 = tl.load(key_centroids_ptr + 0)
@@ -918,7 +924,7 @@ def _flatten_kernel(
         else:
             out = tl.dot(hi_3, matrix, out)
         out = out * largest[:, None]
-        tl.store(key_out_ptr + out_row[:, None] * HEAD_DIM + KEY_OFFSET + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < KEY_DIM))
+        tl.store(key_out_ptr + out_at[:, None] + KEY_OFFSET + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < KEY_DIM))
 
     # value_outlier
     value_outlier_c0 = tl.load(value_outlier_centroids_ptr + 0)
@@ -1004,7 +1010,7 @@ def _flatten_kernel(
         else:
             out = tl.dot(hi_1, matrix, out)
         out = out * largest[:, None]
-        tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + VALUE_OUTLIER_OFFSET + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None])
+        tl.store(value_out_ptr + out_at[:, None] + VALUE_OUTLIER_OFFSET + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=written[:, None])
 
     # value
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -1088,7 +1094,7 @@ def _flatten_kernel(
         else:
             out = tl.dot(hi_3, matrix, out)
         out = out * largest[:, None]
-        tl.store(value_out_ptr + out_row[:, None] * HEAD_DIM + VALUE_OFFSET + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=in_seq[:, None] & (k + dim[None, :] < VALUE_DIM))
+        tl.store(value_out_ptr + out_at[:, None] + VALUE_OFFSET + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < VALUE_DIM))
 
 
 @triton.jit
@@ -2117,48 +2123,65 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
     )
 
 
-def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Dequantize each sequence's cached tokens into contiguous key, value [sum(seq_lens), num_kv_heads, head_dim].
+def flatten(
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+    start_loc: "torch.Tensor | None" = None,
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Dequantize each sequence's cached tokens into key, value [rows, num_kv_heads, head_dim].
 
-    Sequences follow one another; values are in the input basis and the cache's dtype. The output's size is
-    sum(seq_lens), so seq_lens is read on the host: given on the cache's device, that waits for the GPU; given on
-    the CPU (as engines keep it), nothing waits and one small copy takes it to the kernel.
+    By default the output is new tensors in the cache's dtype, sequences packed one after another
+    (rows = sum(seq_lens)); their size is read on the host: seq_lens given on the cache's device waits for the GPU,
+    given on the CPU (as engines keep it) nothing waits and one small copy takes it to the kernel.
+
+    out=(key, value) writes into an engine's buffers instead, each [rows, num_kv_heads, head_dim] with any row and
+    head strides and a contiguous last dim (a [num_kv_heads, rows, head_dim] buffer transposed is one), sequence b
+    from row start_loc[b] (default: packed from row 0); nothing is read on the host, rows past the buffers' end are
+    not written, and the buffers are returned. Values are in the input basis.
     """
     _check_cache(cache)
-    on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
-    if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
-        raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
-    _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
-    lens = seq_lens.tolist()
-    capacity = block_tables.shape[1] * cache.block_size
-    for i, n in enumerate(lens):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    # One copy carries the lengths and the output offsets (a host copy is queued behind the GPU's work, not waited for).
-    lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
-    seq_lens, cu_seq_lens = lengths[:len(lens)], lengths[len(lens):]
-    if _checking(cache.device):
-        _check_block_ids(cache, block_tables, seq_lens)
-    total = sum(lens)
-    shape = (total, cache.num_kv_heads, cache.head_dim)
-    key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    if total == 0:
+    capacity = block_tables.shape[1] * cache.block_size if isinstance(block_tables, torch.Tensor) else 0
+    if out is None:
+        if start_loc is not None:
+            raise ValueError("start_loc: places sequences in out's rows; pass out=(key, value) with it")
+        on_host = isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu"
+        if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
+            raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
+        _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
+        lens = seq_lens.tolist()
+        for i, n in enumerate(lens):
+            if not 0 <= n <= capacity:
+                raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        # One copy carries the lengths and the output offsets (queued behind the GPU's work, not waited for).
+        lengths = torch.tensor(lens + starts, dtype=torch.int64).to(cache.device, non_blocking=True)
+        seq_lens, start_loc = lengths[:len(lens)], lengths[len(lens):]
+        if _checking(cache.device):
+            _check_block_ids(cache, block_tables, seq_lens)
+        shape = (sum(lens), cache.num_kv_heads, cache.head_dim)
+        key = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        longest = max(lens, default=0)
+    else:
+        raise ValueError(f"out: {SCHEME['name']} splits channels into parts, so flatten returns new tensors (drop out=)")
+    if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     key_channels = _channels(cache, "key")
     value_channels = _channels(cache, "value")
     tables = _tables(cache.head_dim, cache.device)
-    grid = (len(lens), _cdiv(max(lens), _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
         value,
         block_tables,
         seq_lens,
-        cu_seq_lens,
+        start_loc,
         cache.key_outlier_codes,
         cache.key_outlier_meta,
         tables["key_outlier_matrix"],
@@ -2182,6 +2205,9 @@ def flatten(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) 
         cache.num_blocks,
         block_tables.stride(0),
         block_tables.shape[1],
+        key.shape[0],
+        key.stride(0),
+        key.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         **_part_constexprs(cache.head_dim),

@@ -391,6 +391,13 @@ class Layout:
         return self.rotates_query or self.rotates_output
 
     @property
+    def flatten_rotated(self) -> bool:
+        """flatten can return K and V in the rotated basis (`rotated=True`: position order, each side's
+        `rotation(side)` applied), skipping its way back: every side rotates in Hadamard blocks, with no window (the
+        ring holds input-basis tokens) and no channel split (parts take their own rotations)."""
+        return not self.window and not self.split and all(side.hadamard_blocks for side in self.sides)
+
+    @property
     def dense_matrix(self) -> bool:
         """Some side's fill and flatten take the d x d matrix IN_BLOCK columns at a time (an IN_BLOCK argument)."""
         return any(side.dense_matrix for side in self.sides)

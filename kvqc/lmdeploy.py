@@ -76,7 +76,9 @@ def slot_mapping(
 
     Sequence i's new tokens are rows q_start_loc[i] .. + q_seq_length[i] - 1 of the states and positions
     kv_seq_length[i] - q_seq_length[i] .. kv_seq_length[i] - 1 of the sequence; position p lives in block
-    block_offsets[i, p // block_size] at offset p % block_size. Rows no sequence claims (padding) get -1.
+    block_offsets[i, p // block_size] at offset p % block_size. Rows no sequence claims get -1, and a row several
+    entries claim belongs to the first of them: LMDeploy pads a CUDA-graph batch with entries whose token is row 0
+    and whose blocks are all block 0, and those must write nothing.
     """
     device = block_offsets.device
     width = block_offsets.shape[1]
@@ -92,10 +94,15 @@ def slot_mapping(
     if paged.checking(device) and bool((wanted & ((row < 0) | (row >= num_tokens))).any()):
         raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
     valid = wanted & (column < width) & (row >= 0) & (row < num_tokens)
+    target = torch.where(valid, row, num_tokens).reshape(-1)  # row num_tokens: a sink for entries that write nothing
+    entry = torch.arange(valid.shape[0], device=device)[:, None].expand(valid.shape).reshape(-1)
+    owner = torch.full((num_tokens + 1,), valid.shape[0], dtype=torch.int64, device=device)
+    owner.scatter_reduce_(0, target, entry, reduce="amin")
+    valid = valid & (owner[target].view(valid.shape) == entry.view(valid.shape))
     block = block_offsets.to(torch.int64).gather(1, column.clamp(0, max(width - 1, 0)))
     slot = torch.where(valid, block * block_size + position % block_size, -1)
     out = torch.full((num_tokens + 1,), -1, dtype=torch.int64, device=device)
-    out.scatter_(0, torch.where(valid, row, num_tokens).reshape(-1), slot.reshape(-1))  # row num_tokens: a sink
+    out.scatter_(0, torch.where(valid, row, num_tokens).reshape(-1), slot.reshape(-1))
     return out[:num_tokens]
 
 
@@ -155,6 +162,8 @@ class Kernels:
                 "(LMDeploy's own kernels would misread it); pass allow_incompatible=True if only kvqc reads the cache"
             )
         self.module, self.quant_policy = module, quant_policy
+        self._caches: dict[tuple, tuple] = {}  # ids of LMDeploy's four tensors, head_dim, layout -> (tensors, KVCache)
+        self._same_rotation: dict[int, bool] = {}
 
     # -- LMDeploy's signatures (lmdeploy 0.18, lmdeploy/pytorch/kernels/cuda/{fill_kv_cache,flatten_kv_cache,
     #    pagedattention}.py)
@@ -175,39 +184,31 @@ class Kernels:
                          out_dtype=None, k_scales_zeros=None, v_scales_zeros=None, quant_policy=0, kv_layout="bshd",
                          flatten_kv_layout="hsd"):
         """Dequantized K, V: [num_kv_heads, out_size, head_dim] ('hsd') or [out_size, num_kv_heads, head_dim]
-        ('shd'); sequence i at rows start_loc[i] ..; rows no sequence covers are zero."""
+        ('shd'); sequence i at rows start_loc[i] ..; rows no sequence covers are zero (LMDeploy zero-fills the padded
+        tail after the last sequence, which its attention may touch). Nothing is read on the host."""
         self._check_call(quant_policy, kv_layout)
         if flatten_kv_layout not in ("hsd", "shd"):
             raise ValueError(f"flatten_kv_layout: expected 'hsd' or 'shd', got {flatten_kv_layout!r}")
         head_dim = k_caches.shape[-1] * 8 // self.module.KEY_CODE_BITS
         cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, head_dim, kv_layout)
-        key, value = self.module.flatten(cache, block_offsets, seqlens)  # [sum(seqlens), H, d], input basis
-        if self.quant_policy == 42:
-            q = _rotation(head_dim, key.device)
-            key, value = (key.float() @ q).to(key.dtype), (value.float() @ q).to(value.dtype)
-        lens = seqlens.to(torch.int64)
-        total = key.shape[0]
-        if start_loc is None:
-            start_loc = torch.cumsum(lens, 0) - lens
         if out_size is None or out_size <= 0:
             out_size = cache.num_blocks * cache.block_size
-        out_dtype = out_dtype or cache.dtype
-        within = torch.arange(total, device=key.device) - (torch.cumsum(lens, 0) - lens).repeat_interleave(
-            lens, output_size=total)
-        row = start_loc.to(torch.int64).repeat_interleave(lens, output_size=total) + within
-        if total and int(row.max()) >= out_size:
-            raise ValueError(f"out_size: {out_size} rows cannot hold the sequences at start_loc (need {int(row.max()) + 1})")
-        heads = cache.num_kv_heads
-        outs = []
-        for x in (key, value):
-            if flatten_kv_layout == "hsd":
-                out = torch.zeros(heads, out_size, head_dim, dtype=out_dtype, device=key.device)
-                out.index_copy_(1, row, x.transpose(0, 1).to(out_dtype))
-            else:
-                out = torch.zeros(out_size, heads, head_dim, dtype=out_dtype, device=key.device)
-                out.index_copy_(0, row, x.to(out_dtype))
-            outs.append(out)
-        return outs[0], outs[1]
+        out_dtype = out_dtype or (torch.float16 if self.quant_policy == 42 else cache.dtype)
+        heads, device = cache.num_kv_heads, k_caches.device
+        shape = (heads, out_size, head_dim) if flatten_kv_layout == "hsd" else (out_size, heads, head_dim)
+        key, value = (torch.zeros(shape, dtype=out_dtype, device=device) for _ in range(2))
+        rows = (lambda t: t.transpose(0, 1)) if flatten_kv_layout == "hsd" else (lambda t: t)
+        if start_loc is not None:
+            start_loc = start_loc.to(device)
+        # quant_policy 42's prefill rotates the query by H/sqrt(d) and the output back around this call, so K and V
+        # are wanted in that basis: the codes' own basis when the module's rotation is LMDeploy's.
+        basis = {"rotated": True} if self.quant_policy == 42 and self._rotation_is_lmdeploys(head_dim) else {}
+        self.module.flatten(cache, block_offsets, seqlens.to(device), out=(rows(key), rows(value)),
+                            start_loc=start_loc, **basis)
+        if self.quant_policy == 42 and not basis:
+            q = _rotation(head_dim, device)
+            key, value = (key.float() @ q).to(out_dtype), (value.float() @ q).to(out_dtype)
+        return key, value
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q=None,
                                 max_seqlen_q=None, softmax_scale=None, causal=False, window_size=None, softcap=None,
@@ -224,6 +225,10 @@ class Kernels:
             raise NotImplementedError("alibi_slopes / sinks: not supported by kvqc's decode")
         cache = self._cache(k_cache, k_scales_zeros, v_cache, v_scales_zeros, q.shape[-1], kv_layout)
         batch, num_tokens = cache_seqlens.shape[0], q.shape[0]
+        if num_tokens == batch and (max_seqlen_q == 1 or (max_seqlen_q is None and cu_seqlens_q is None)):
+            # One query token per sequence, known without reading cu_seqlens_q: LMDeploy's decode step (it passes
+            # max_seqlen_q=1) runs inside CUDA graphs, where nothing may wait for the GPU.
+            return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale)
         if cu_seqlens_q is not None:  # query tokens per sequence, possibly uneven (chunked prefill)
             if cu_seqlens_q.shape[0] != batch + 1 or int(cu_seqlens_q[-1]) != num_tokens:
                 raise ValueError(
@@ -255,7 +260,28 @@ class Kernels:
         if kv_layout not in ("bshd", "bhsd"):
             raise ValueError(f"kv_layout: kvqc reads 'bshd' or 'bhsd' caches, got {kv_layout!r}")
 
+    def _rotation_is_lmdeploys(self, head_dim: int) -> bool:
+        """Whether the module's K and V rotations are LMDeploy's H/sqrt(d), so flatten's rotated basis is its."""
+        if head_dim not in self._same_rotation:
+            offered = getattr(self.module, "rotation", None)
+            self._same_rotation[head_dim] = offered is not None and all(
+                torch.allclose(offered(side, head_dim), _rotation(head_dim, torch.device("cpu")), atol=1e-6)
+                for side in ("key", "value")
+            )
+        return self._same_rotation[head_dim]
+
     def _cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int, kv_layout: str):
+        """The module's KVCache over LMDeploy's tensors: one object per layer's tensors, built once, so the module's
+        checks of it run once too."""
+        tensors = (key_codes, key_meta, value_codes, value_meta)
+        known = self._caches.get(tuple(map(id, tensors)) + (head_dim, kv_layout))
+        if known is not None and all(a is b for a, b in zip(known[0], tensors)):
+            return known[1]
+        cache = self._new_cache(key_codes, key_meta, value_codes, value_meta, head_dim, kv_layout)
+        self._caches[tuple(map(id, tensors)) + (head_dim, kv_layout)] = (tensors, cache)
+        return cache
+
+    def _new_cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int, kv_layout: str):
         if key_meta is None or value_meta is None:
             raise ValueError("k_scales_zeros: kvqc needs LMDeploy's per-token metadata tensors (a quantized cache)")
         for name, t in (("k_cache", key_codes), ("v_cache", value_codes), ("k_scales_zeros", key_meta),

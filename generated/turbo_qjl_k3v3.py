@@ -2173,10 +2173,9 @@ def _tables(head_dim: int, device: torch.device) -> dict:
 
 # ---------------------------------------------------------------- launching
 # Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
-# arguments is a good share of an eager call's host time. _launch takes Triton's path once per launch key, which
-# compiles (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself. H100 host, eager
-# calls at 8 x 8k, head_dim 128, interleaved medians: decode 17-21% less host time per call (int4_token 183 -> 149
-# us, against 38 us of GPU time), a decode step's fill 13% less, flatten 6-10% (docs/benchmarks.md, session 17).
+# arguments is most of an eager call's host time. _launch takes Triton's path once per launch key, which compiles
+# (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself; _launch_at goes further for
+# launches that repeat layer after layer (a decode plan's) and skips even the key.
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -2226,18 +2225,19 @@ def _specialization(arg) -> tuple:
     raise TypeError(f"_launch: no launch key for an argument of type {type(arg).__name__}")
 
 
-def _launch(kernel, grid: tuple, *args, **constexprs) -> None:
+def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
     """kernel[grid](*args, **constexprs): args are the kernel's run-time arguments, in order, and constexprs the
     rest of its parameters by name, with Triton's launch options (num_warps, num_stages, maxnreg, launch_pdl).
 
     The launch key is the current device, each run-time argument's _specialization, and every constexpr and option
     by name. A key's first launch is Triton's; later ones call the compiled kernel's launcher on the current stream
-    with the same arguments. A registered launch hook (Triton's profilers) keeps every launch Triton's.
+    with the same arguments. A registered launch hook (Triton's profilers) keeps every launch Triton's. Returns
+    the key's direct launcher, (compiled kernel, its constexprs in order), or None where launches stay Triton's.
     """
     global _RAW_STREAM
     if _KNOBS is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
         kernel[grid](*args, **constexprs)
-        return
+        return None
     device = torch.cuda.current_device()
     key = (kernel, device, *map(_specialization, args), *constexprs.items())
     entry = _LAUNCHES.get(key, False)
@@ -2257,13 +2257,30 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> None:
             from triton.runtime.driver import driver
 
             _RAW_STREAM = driver.active.get_current_stream
-    elif entry is None:
+        return _LAUNCHES[key]
+    if entry is None:
         kernel[grid](*args, **constexprs)
-    else:
-        compiled, tail = entry
-        x, y, z = (*grid, 1, 1)[:3]
-        compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *tail)
+        return None
+    compiled, tail = entry
+    x, y, z = (*grid, 1, 1)[:3]
+    compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+    return entry
+
+
+def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args, **constexprs) -> None:
+    """_launch for a call repeated with the same grid, integers, dtypes and constexprs, only tensor addresses
+    changing (a decode plan's launches, once per layer): `site` names it with whatever alignment may change, and
+    its compiled kernel is looked up once per site, not per call."""
+    entry = launches.get(site) if launches is not None else None
+    if entry is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
+        entry = _launch(kernel, grid, *args, **constexprs)
+        if entry is not None and launches is not None:
+            launches[site] = entry
+        return
+    compiled, tail = entry
+    x, y, z = (*grid, 1, 1)[:3]
+    compiled.run(x, y, z, _RAW_STREAM(torch.cuda.current_device()), compiled.function, compiled.packed_metadata, None,
+                 None, None, *args, *tail)
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -2554,57 +2571,143 @@ def rotation(side: str, head_dim: int, device: "str | torch.device" = "cpu") -> 
     return _tables(head_dim, torch.device(device))[f"{side}_rotation"]
 
 
+@dataclass(eq=False)
+class DecodePlan:
+    """What the layers of one decode step share, from plan_decode: the batch's paging tensors, the split-K shape,
+    the scratch every layer's kernels write, and those kernels once compiled. Layers run one after another on one
+    stream, each reading its scratch before the next layer writes it; a plan serves one such sequence of calls."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    num_q_heads: int
+    dtype: torch.dtype
+    geometry: tuple  # _geometry() of the caches it serves
+    block_n: int
+    num_warps: int
+    num_stages: int
+    register_cap: "int | None"
+    tokens_per_split: int
+    num_splits: int
+    pdl: bool
+    scratch: dict
+    launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+
+
+def _cache_tensors(cache: KVCache) -> tuple:
+    return tuple(value for value in vars(cache).values() if isinstance(value, torch.Tensor))
+
+
+def _geometry(cache: KVCache) -> tuple:
+    """What a plan's launches take from a cache besides its tensors' addresses."""
+    return (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, cache.layout, cache.dtype, cache.device)
+
+
+def plan_decode(
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_q_heads: int,
+    dtype: torch.dtype = torch.float16,
+) -> DecodePlan:
+    """The part of decode that depends on the batch alone, for every layer of a decode step to share:
+    `plan = plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype)` once, then
+    `decode(query, layer_cache, block_tables, seq_lens, plan=plan)` per layer with those same paging tensors and
+    caches of one shape. dtype is the query's. No host sync."""
+    _check_cache(cache)
+    device = cache.device
+    _check_paging(cache, block_tables, seq_lens)
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 or num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"num_q_heads: expected a positive multiple of the cache's {cache.num_kv_heads} KV heads, got {num_q_heads!r}")
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype: expected the query's dtype, one of {_FLOAT_DTYPES}, got {dtype}")
+    batch, head_dim = block_tables.shape[0], cache.head_dim
+    if _checking(device):
+        capacity = block_tables.shape[1] * cache.block_size
+        if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
+            raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
+        _check_block_ids(cache, block_tables, seq_lens)
+    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
+    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    capacity = block_tables.shape[1] * cache.block_size
+    block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
+    wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
+    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
+    num_splits = _cdiv(capacity, tokens_per_split)
+    rows = batch * num_q_heads
+    scratch = {}
+    scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
+    scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
+    scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
+    return DecodePlan(
+        block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
+        geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        register_cap=register_cap[0] if register_cap else None, tokens_per_split=tokens_per_split,
+        num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+    )
+
+
+def _check_plan(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens) -> None:
+    """A plan serves the paging tensors it was made with, queries of its heads and dtype, and caches of its shape."""
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"plan: expected a DecodePlan from this module's plan_decode, got {type(plan).__name__}")
+    if block_tables is not plan.block_tables or seq_lens is not plan.seq_lens:
+        raise ValueError("plan: made for other block_tables / seq_lens tensors; pass the ones given to plan_decode")
+    if query.shape[0] != plan.block_tables.shape[0] or query.shape[1] != plan.num_q_heads or query.dtype != plan.dtype:
+        raise ValueError(
+            f"query: the plan takes [{plan.block_tables.shape[0]}, {plan.num_q_heads}, head_dim] {plan.dtype}, got "
+            f"{list(query.shape)} {query.dtype}"
+        )
+    if _geometry(cache) != plan.geometry:
+        raise ValueError(f"cache: the plan serves caches shaped {plan.geometry}, got {_geometry(cache)} (plan each cache shape apart)")
+
+
 def decode(
     query: torch.Tensor,
     cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: "float | None" = None,
+    *,
+    plan: "DecodePlan | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
     num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to 1 / sqrt(head_dim). No host sync.
+    plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
+    part alone (an eager engine's host time per layer).
     """
     _check_cache(cache)
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
-    _check_paging(cache, block_tables, seq_lens)
+    if plan is None:
+        if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] != query.shape[0]:
+            raise ValueError(f"block_tables: expected {query.shape[0]} rows (query's batch), got {block_tables.shape[0]}")
+        if query.shape[1] % cache.num_kv_heads:
+            raise ValueError(f"query: num_q_heads {query.shape[1]} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
+        plan = plan_decode(cache, block_tables, seq_lens, query.shape[1], query.dtype)
+    else:
+        _check_plan(plan, query, cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables: expected {batch} rows (query's batch), got {block_tables.shape[0]}")
-    if num_q_heads % cache.num_kv_heads:
-        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
-    if _checking(device):
-        capacity = block_tables.shape[1] * cache.block_size
-        if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
-            raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
-        _check_block_ids(cache, block_tables, seq_lens)
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
         return torch.zeros_like(query)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
-    pdl = _dependent_launch(device)
-
+    pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.
+    aligned = (query.data_ptr() % 16 == 0, *(t.data_ptr() % 16 == 0 for t in _cache_tensors(cache)))
     q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
     q = q @ tables["key_rotation"].t()  # rotated once, in position order
     q = q.contiguous()
     q_qjl = (q @ tables["key_qjl"].t()).contiguous()
 
-    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
-    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
-    capacity = block_tables.shape[1] * cache.block_size
-    block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
-    wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), batch * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
-    num_splits = _cdiv(capacity, tokens_per_split)
-    rows = batch * num_q_heads
-    partial_out = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
-    partial_max = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
-    partial_sum = torch.empty_like(partial_max)
-    _launch(
-        _decode_kernel, (batch, cache.num_kv_heads, num_splits),
+    block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
+    num_splits, tokens_per_split = plan.num_splits, plan.tokens_per_split
+    partial_out = scratch["partial_out"]
+    partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
+    _launch_at(
+        launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits),
         q,
         q_qjl,
         block_tables,
@@ -2641,13 +2744,13 @@ def decode(
         LAZY_RESCALE=_LAZY_RESCALE,
         PDL=pdl,
         num_warps=num_warps,
-        num_stages=num_stages,
-        maxnreg=register_cap[0] if register_cap else None,
+        num_stages=plan.num_stages,
+        maxnreg=register_cap,
         launch_pdl=pdl,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl,
+        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, value_matrix=tables["value_matrix"], dtype=query.dtype)  # the merge rotates back and casts
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
@@ -2655,12 +2758,13 @@ def decode(
 
 def _reduce(
     partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32,
-    pdl=False,
+    pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    _launch(
-        _decode_reduce_kernel, (rows,),
+    # A plan's scratch is the same tensors every layer: the site is the partial's own.
+    _launch_at(
+        launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, value_matrix, tokens_per_split, num_splits,
         NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,

@@ -12,7 +12,9 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -155,6 +157,20 @@ def graph_ms(call: Callable[[], object], count: int, timer: Callable | None = No
     ms = (timer or _bench)(graph.replay)
     del graph
     return ms / count
+
+
+def host_us(call: Callable[[], object], calls: int = 200) -> float:
+    """Median over 5 rounds of the CPU time one call takes to return, calls queued back to back without waiting
+    for the GPU (a few hundred launches stay inside CUDA's launch queue)."""
+    rounds = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(rounds[1:])  # the first round warms up
 
 
 def _rotating(fn: Callable, arg_sets: list[tuple]) -> Callable[[], None]:
@@ -319,6 +335,14 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     decode_call = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows), [(c,) for c in caches])
     row["kvqc_ms"] = _bench(decode_call)
     row["kvqc_graph_ms"] = graph_ms(decode_call, copies)
+    # An eager engine's decode step: one plan for the batch, then a call per layer (the cache copies stand in for
+    # layers). Host time is what a call costs the CPU, the GPU's work overlapping it.
+    plan = module.plan_decode(cache, block_tables, seq_lens, *rows, hq, query.dtype)
+    planned = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows, plan=plan),
+                        [(c,) for c in caches])
+    row["kvqc_plan_ms"] = _bench(planned)
+    row["host_us"] = host_us(decode_call)
+    row["plan_host_us"] = host_us(planned)
     if not cfg.get("decode_only"):
         # flatten sizes its output by sum(seq_lens): given on the host, as engines keep it, nothing waits for the GPU.
         host_lens = seq_lens.cpu()
@@ -453,7 +477,7 @@ def _note(row: dict, text: str) -> None:
 # ---------------------------------------------------------------- output
 
 COLUMNS = (("B", 3), ("ctx", 7), ("D", 4), ("sdpa ms", 9), ("kvqc ms", 9), ("speedup", 8), ("sdpa graph", 10),
-           ("kvqc graph", 10), ("graph x", 8), ("floor ms", 9),
+           ("kvqc graph", 10), ("graph x", 8), ("plan ms", 8), ("host us", 8), ("plan host", 9), ("floor ms", 9),
            ("%floor", 7), ("fill %bw", 9), ("flatten %bw", 11), ("scratch MiB", 11), ("attend ms", 10),
            ("attend MiB", 10), ("err", 9))
 
@@ -470,7 +494,8 @@ def format_row(row: dict) -> str:
     err = row.get("rel_err")
     cells = [_fmt(row.get("peer_ms"), ".4f"), _fmt(row.get("kvqc_ms"), ".4f"), _fmt(row.get("speedup"), ".2f"),
              _fmt(row.get("peer_graph_ms"), ".4f"), _fmt(row.get("kvqc_graph_ms"), ".4f"),
-             _fmt(row.get("graph_speedup"), ".2f"),
+             _fmt(row.get("graph_speedup"), ".2f"), _fmt(row.get("kvqc_plan_ms"), ".4f"),
+             _fmt(row.get("host_us"), ".1f"), _fmt(row.get("plan_host_us"), ".1f"),
              _fmt(row.get("floor_ms"), ".4f"), pct("fraction_of_floor"), pct("fill_fraction_of_bw"),
              pct("flatten_fraction_of_bw"), _fmt(row.get("scratch_mib"), ".2f"), _fmt(row.get("attend_ms"), ".3f"),
              _fmt(row.get("attend_scratch_mib"), ".0f"),

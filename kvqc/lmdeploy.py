@@ -164,6 +164,7 @@ class Kernels:
         self.module, self.quant_policy = module, quant_policy
         self._caches: dict[tuple, tuple] = {}  # ids of LMDeploy's four tensors, head_dim, layout -> (tensors, KVCache)
         self._same_rotation: dict[int, bool] = {}
+        self._last_plan = None  # the last decode step's plan (module.DecodePlan)
 
     # -- LMDeploy's signatures (lmdeploy 0.18, lmdeploy/pytorch/kernels/cuda/{fill_kv_cache,flatten_kv_cache,
     #    pagedattention}.py)
@@ -228,7 +229,8 @@ class Kernels:
         if num_tokens == batch and (max_seqlen_q == 1 or (max_seqlen_q is None and cu_seqlens_q is None)):
             # One query token per sequence, known without reading cu_seqlens_q: LMDeploy's decode step (it passes
             # max_seqlen_q=1) runs inside CUDA graphs, where nothing may wait for the GPU.
-            return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale)
+            plan = self._plan(q, cache, page_table, cache_seqlens)
+            return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale, plan=plan)
         if cu_seqlens_q is not None:  # query tokens per sequence, possibly uneven (chunked prefill)
             if cu_seqlens_q.shape[0] != batch + 1 or int(cu_seqlens_q[-1]) != num_tokens:
                 raise ValueError(
@@ -259,6 +261,19 @@ class Kernels:
             )
         if kv_layout not in ("bshd", "bhsd"):
             raise ValueError(f"kv_layout: kvqc reads 'bshd' or 'bhsd' caches, got {kv_layout!r}")
+
+    def _plan(self, q, cache, page_table, cache_seqlens):
+        """The step's decode plan: LMDeploy hands every layer of a step the same block_offsets and kv_seqlens
+        tensors, so the first layer plans and the others reuse it (an eager step's host time). None while a CUDA
+        graph is captured: each captured layer then plans inside the graph's own memory."""
+        if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        plan = self._last_plan
+        if (plan is None or plan.block_tables is not page_table or plan.seq_lens is not cache_seqlens
+                or plan.num_q_heads != q.shape[1] or plan.dtype != q.dtype
+                or plan.geometry != self.module._geometry(cache)):
+            plan = self._last_plan = self.module.plan_decode(cache, page_table, cache_seqlens, q.shape[1], q.dtype)
+        return plan
 
     def _rotation_is_lmdeploys(self, head_dim: int) -> bool:
         """Whether the module's K and V rotations are LMDeploy's H/sqrt(d), so flatten's rotated basis is its."""

@@ -1,0 +1,77 @@
+"""decode's plan/run split: plan_decode once per step, decode(..., plan=plan) once per layer.
+
+A plan holds what depends on the batch alone (paging tensors, split-K shape, scratch, compiled launchers), so its
+layers must decode exactly what an unplanned call decodes, whatever each layer's cache holds, and a plan must
+refuse what it was not made for. On a GPU the planned launches call the compiled kernels directly.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE, generated
+
+from kvqc import bench
+
+LENS, BLOCK_SIZE, KV_HEADS, Q_HEADS = [5, 70, 33], 32, 2, 4
+CASES = ["turbo_k4v2", "int4_token", "sign1_window", "turbo_outlier_2p5"]
+
+
+def layers(name: str, count: int = 3, dtype=torch.float16):
+    """`count` caches of one shape filled with different tokens, their paging tensors, queries and ring rows."""
+    m = generated(name)
+    head_dim = 128 if 128 in m.HEAD_DIMS else m.HEAD_DIMS[0]
+    batch = len(LENS)
+    blocks = max(LENS) // BLOCK_SIZE + 1
+    block_tables = torch.arange(batch * blocks, device=DEVICE, dtype=torch.int32).flip(0).view(batch, blocks)
+    seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEVICE)
+    slots = torch.cat([bench.slot_mapping(block_tables[i : i + 1], n, BLOCK_SIZE) for i, n in enumerate(LENS)])
+    window = hasattr(m, "WINDOW")
+    ring = (torch.arange(batch, device=DEVICE),) if window else ()
+    caches, queries = [], []
+    for layer in range(count):
+        torch.manual_seed(layer)
+        rows = {"max_seqs": batch} if window else {}
+        cache = m.allocate_cache(batch * blocks, BLOCK_SIZE, KV_HEADS, head_dim, device=DEVICE, **rows)
+        key = torch.randn(slots.numel(), KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+        value = torch.randn_like(key)
+        if hasattr(m, "calibrate"):
+            m.calibrate(cache, key, value)
+        extra = ()
+        if window:
+            positions = torch.cat([torch.arange(n, device=DEVICE) for n in LENS])
+            extra = (positions, torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(LENS)]))
+        m.fill(cache, key, value, slots, *extra)
+        caches.append(cache)
+        queries.append(torch.randn(batch, Q_HEADS, head_dim, dtype=dtype, device=DEVICE))
+    return m, caches, queries, (block_tables, seq_lens, *ring)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_planned_layers_decode_what_unplanned_calls_decode(name):
+    m, caches, queries, paging = layers(name)
+    want = [m.decode(q, c, *paging) for q, c in zip(queries, caches)]
+    plan = m.plan_decode(caches[0], *paging, Q_HEADS, queries[0].dtype)
+    for _ in range(2):  # a second step through the same plan: its launchers are found by now
+        got = [m.decode(q, c, *paging, plan=plan) for q, c in zip(queries, caches)]
+        for layer, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"{name}: layer {layer} differs with a plan"
+    if DEVICE.type == "cuda":
+        assert plan.launches and all(entry is not None for entry in plan.launches.values())
+
+
+def test_a_plan_refuses_what_it_was_not_made_for():
+    m, caches, queries, paging = layers("int4_token", count=1)
+    plan = m.plan_decode(caches[0], *paging, Q_HEADS, torch.float16)
+    block_tables, seq_lens = paging
+    with pytest.raises(ValueError, match="plan: made for other block_tables"):
+        m.decode(queries[0], caches[0], block_tables.clone(), seq_lens, plan=plan)
+    with pytest.raises(ValueError, match=r"query: the plan takes \[3, 4, head_dim\]"):
+        m.decode(queries[0].float(), caches[0], *paging, plan=plan)
+    other = m.allocate_cache(caches[0].num_blocks + 1, BLOCK_SIZE, KV_HEADS, caches[0].head_dim, device=DEVICE)
+    with pytest.raises(ValueError, match="cache: the plan serves caches shaped"):
+        m.decode(queries[0], other, *paging, plan=plan)
+    with pytest.raises(ValueError, match="plan: expected a DecodePlan"):
+        m.decode(queries[0], caches[0], *paging, plan=object())
+    with pytest.raises(ValueError, match="num_q_heads: expected a positive multiple"):
+        m.plan_decode(caches[0], *paging, 3, torch.float16)
+    with pytest.raises(ValueError, match="dtype: expected the query's dtype"):
+        m.plan_decode(caches[0], *paging, Q_HEADS, torch.int8)

@@ -9,21 +9,26 @@ weights); prompts are random token ids of exact length, passed to the engine as 
 
 Per run: prefill_s (submit until every request has its first token), decode_tok_s (all requests' tokens from
 that moment until the first request finishes, over decode_steps >= 100 steps), e2e_tok_s (output tokens over
-submit-to-last-token), kv_tokens (LMDeploy's num_gpu_blocks x block_size after the engine is built), peak_gib
-(torch.cuda.max_memory_allocated in the engine process; LMDeploy's tp=1 executor runs the model in-process),
-used_gib (cudaMemGetInfo: device memory in use at the end, CUDA context and graph pools included), and the
-failure's last line where a run fails (the matrix goes on).
+submit-to-last-token), kv_tokens (LMDeploy's usable num_gpu_blocks x block_size once the engine has sized its
+pool), kv_bytes_per_token (the pool's bytes over its slots), peak_gib (torch.cuda.max_memory_allocated in the
+engine process, where LMDeploy's tp=1 executor runs the model; the pool, cache_max_entry_count of free memory,
+dominates it, so peak_non_kv_gib subtracts it), used_gib (cudaMemGetInfo at the end: CUDA context and graph pools
+included), and for a failed run its exception as one line (the matrix goes on).
 
---agreement: greedy tokens of every cache against LMDeploy's own (fp16, and quant_policy 42 for turbo_k4v2), and
-prompt-logit error against fp16. LMDeploy's PyTorch engine returns logits only for the prompt (output_logits='all'
+--agreement: greedy tokens and prompt logits of every cache against LMDeploy fp16, and of turbo_k4v2 against
+quant_policy 42 (same bytes). LMDeploy's PyTorch engine returns logits only for the prompt (output_logits='all'
 with max_new_tokens=0), computed by prefill attention over K/V flattened from the quantized cache; the decode
-kernels' error shows in the token agreement.
+kernels show in the tokens. A random-weight model's logits are nearly flat, so a few percent of logit error
+already flips greedy tokens: read token agreement next to the logit error.
 
 On the GPU machine (LMDeploy from ../shared/engines/lmdeploy-kit.sh, carried as .lmdeploy-kit):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lmdeploy-kit/*.whl
     export PYTHONPATH=/tmp/site:$PWD TVM_FFI_DISABLE_TORCH_C_DLPACK=1
     python3 benchmarks/lmdeploy_engine.py --batch 32 --prompts 4096 16384 --out lmdeploy-engine.json
     python3 benchmarks/lmdeploy_engine.py --agreement --out lmdeploy-agreement.json
+A run is its engine's start (30-60 s: import, weights, CUDA-graph capture), a warm-up batch of the timed shape
+and the timed batch. Where one command may only run minutes, build the matrix in pieces into one file:
+    python3 benchmarks/lmdeploy_engine.py --prompts 4096 --modes graph --merge --out lmdeploy-engine.json
 """
 
 from __future__ import annotations
@@ -187,6 +192,7 @@ def kv_pool_bytes(pipe) -> int | None:
 
 def environment() -> dict:
     import importlib.metadata as md
+
     import torch
     versions = {}
     for package in ("torch", "triton", "lmdeploy", "transformers"):
@@ -352,12 +358,12 @@ def merge(old: dict, new: dict) -> dict:
     """new's runs replace old's of the same (cache, mode, batch, prompt); old's others stay, in order."""
     if old.get("model") != new["model"]:
         sys.exit(f"--merge: {old.get('model')} in the existing file is another model than {new['model']}")
-    key = lambda r: (r["cache"], r["mode"], r["batch"], r["prompt"])  # noqa: E731
+    key = lambda r: (r["cache"], r["mode"], r["batch"], r["prompt"])
     fresh = {key(r) for r in new["runs"]}
     merged = dict(old, **{k: v for k, v in new.items() if k not in ("commands", "runs") and v})
     merged["commands"] = old.get("commands", []) + new["commands"]
     runs = [r for r in old["runs"] if key(r) not in fresh] + new["runs"]
-    order = lambda r: (r["batch"], r["prompt"], list(MODES).index(r["mode"]), list(CACHES).index(r["cache"]))  # noqa: E731
+    order = lambda r: (r["batch"], r["prompt"], list(MODES).index(r["mode"]), list(CACHES).index(r["cache"]))
     merged["runs"] = sorted(runs, key=order)
     return merged
 

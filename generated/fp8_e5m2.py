@@ -66,6 +66,7 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 32
 _FLATTEN_BLOCK_T = 64
+_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
 _DECODE_CONFIGS = {}
@@ -204,66 +205,67 @@ def _flatten_kernel(
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
     seq = tl.program_id(0)
-    position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 1
     value_chunk = tl.arange(0, VALUE_CHUNK)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tl.program_id(1) * BLOCK_T >= seq_len:
-        return
-    in_seq = position < seq_len
-    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A block id outside the cache reads as zeros instead of reading foreign memory.
-    valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
-    written = in_seq & (out_token >= 0) & (out_token < out_rows)
-    out_at = out_token * stride_out_token + head * stride_out_head
-    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
-    # per side.
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    # The programs along axis 1 stride over the sequence's tiles, so a grid sized from the block tables' capacity
+    # (an engine's graph-padded tables) does not launch a program per tile of it.
+    for tile in range(tl.program_id(1), tl.cdiv(seq_len, BLOCK_T), tl.num_programs(1)):
+        position = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_seq = position < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+        # A block id outside the cache reads as zeros instead of reading foreign memory.
+        valid = in_seq & (block >= 0) & (block < num_blocks)
+        row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+        out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+        written = in_seq & (out_token >= 0) & (out_token < out_rows)
+        out_at = out_token * stride_out_token + head * stride_out_head
+        # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+        # per side.
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    key_scale = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_scale = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    value_scale = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_scale = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    # key
+        # key
 
-    code = key_bytes_0_0
+        code = key_bytes_0_0
 
-    # fp8 codes are the format's own bit patterns: the hardware converts them.
-    level = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        # fp8 codes are the format's own bit patterns: the hardware converts them.
+        level = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
 
-    tile = level
+        tile = level
 
-    tile_0 = tile * key_scale[:, None]
+        tile_0 = tile * key_scale[:, None]
 
-    tl.store(
-        key_out_ptr + out_at[:, None] + key_chunk[None, :],
-        tile_0.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+        tl.store(
+            key_out_ptr + out_at[:, None] + key_chunk[None, :],
+            tile_0.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
 
-    # value
+        # value
 
-    code = value_bytes_0_0
+        code = value_bytes_0_0
 
-    # fp8 codes are the format's own bit patterns: the hardware converts them.
-    level = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        # fp8 codes are the format's own bit patterns: the hardware converts them.
+        level = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
 
-    tile = level
+        tile = level
 
-    tile_0 = tile * value_scale[:, None]
+        tile_0 = tile * value_scale[:, None]
 
-    tl.store(
-        value_out_ptr + out_at[:, None] + value_chunk[None, :],
-        tile_0.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+        tl.store(
+            value_out_ptr + out_at[:, None] + value_chunk[None, :],
+            tile_0.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
 
 
 @triton.jit
@@ -291,7 +293,6 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -311,7 +312,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * TOKENS_PER_SPLIT
+    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
+    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
@@ -324,7 +328,7 @@ def _decode_kernel(
     query = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
 
-    end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -344,8 +348,7 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
-    for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+    for offset in range(0, tokens_per_split, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
         row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
@@ -416,9 +419,9 @@ def _decode_reduce_kernel(
     partial_sum_ptr,
     out_ptr,
     seq_lens_ptr,
-    tokens_per_split,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -432,6 +435,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -780,11 +784,15 @@ def flatten(
             if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
                 raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
             _check_block_ids(cache, block_tables, seq_lens)
-        longest = capacity  # the kernel's programs past a sequence's end return at once
+        longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
+    if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
+        batch_heads = block_tables.shape[0] * cache.num_kv_heads
+        tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
+    grid = (block_tables.shape[0], tiles, cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
@@ -848,7 +856,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
-    tokens_per_split: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -888,13 +895,13 @@ def plan_decode(
         if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
-    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
-    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
+    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
+    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
-    num_splits = _cdiv(capacity, tokens_per_split)
+    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
@@ -903,8 +910,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, tokens_per_split=tokens_per_split,
-        num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -963,7 +969,7 @@ def decode(
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
-    num_splits, tokens_per_split = plan.num_splits, plan.tokens_per_split
+    num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     _launch_at(
@@ -990,7 +996,6 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -1002,14 +1007,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -1017,8 +1022,8 @@ def _reduce(
     # A plan's scratch is the same tensors every layer: the site is the partial's own.
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        partial, partial_max, partial_sum, out, seq_lens, num_splits,
+        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

@@ -95,6 +95,7 @@ _FILL_PROGRAMS_PER_SM = 8
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
 _FLATTEN_BLOCK_T = 64
+_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes the default.
 _DECODE_CONFIGS = {}
@@ -715,7 +716,6 @@ def _flatten_kernel(
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written). ROTATED keeps the rotated basis (position order): no way back."""
     seq = tl.program_id(0)
-    position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
@@ -724,589 +724,591 @@ def _flatten_kernel(
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tl.program_id(1) * BLOCK_T >= seq_len:
-        return
-    in_seq = position < seq_len
-    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A block id outside the cache reads as zeros instead of reading foreign memory.
-    valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
-    written = in_seq & (out_token >= 0) & (out_token < out_rows)
-    out_at = out_token * stride_out_token + head * stride_out_head
-    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
-    # per side.
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    key_bytes_1_2 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    key_bytes_1_3 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    # The programs along axis 1 stride over the sequence's tiles, so a grid sized from the block tables' capacity
+    # (an engine's graph-padded tables) does not launch a program per tile of it.
+    for tile in range(tl.program_id(1), tl.cdiv(seq_len, BLOCK_T), tl.num_programs(1)):
+        position = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_seq = position < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+        # A block id outside the cache reads as zeros instead of reading foreign memory.
+        valid = in_seq & (block >= 0) & (block < num_blocks)
+        row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+        out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+        written = in_seq & (out_token >= 0) & (out_token < out_rows)
+        out_at = out_token * stride_out_token + head * stride_out_head
+        # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+        # per side.
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        key_bytes_1_2 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        key_bytes_1_3 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    # key
+        # key
 
-    code = key_bytes_0_0 & 1
-    code = code | ((key_bytes_1_0 & 15) << 1)
+        code = key_bytes_0_0 & 1
+        code = code | ((key_bytes_1_0 & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (0 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (0 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_0 = tile
+        tile_0 = tile
 
-    code = (key_bytes_0_0 >> 1) & 1
-    code = code | ((key_bytes_1_1 & 15) << 1)
+        code = (key_bytes_0_0 >> 1) & 1
+        code = code | ((key_bytes_1_1 & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (1 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (1 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_1 = tile
+        tile_1 = tile
 
-    code = (key_bytes_0_0 >> 2) & 1
-    code = code | ((key_bytes_1_2 & 15) << 1)
+        code = (key_bytes_0_0 >> 2) & 1
+        code = code | ((key_bytes_1_2 & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (2 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (2 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_2 = tile
+        tile_2 = tile
 
-    code = (key_bytes_0_0 >> 3) & 1
-    code = code | ((key_bytes_1_3 & 15) << 1)
+        code = (key_bytes_0_0 >> 3) & 1
+        code = code | ((key_bytes_1_3 & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (3 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (3 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_3 = tile
+        tile_3 = tile
 
-    code = (key_bytes_0_0 >> 4) & 1
-    code = code | (((key_bytes_1_0 >> 4) & 15) << 1)
+        code = (key_bytes_0_0 >> 4) & 1
+        code = code | (((key_bytes_1_0 >> 4) & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (4 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (4 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_4 = tile
+        tile_4 = tile
 
-    code = (key_bytes_0_0 >> 5) & 1
-    code = code | (((key_bytes_1_1 >> 4) & 15) << 1)
+        code = (key_bytes_0_0 >> 5) & 1
+        code = code | (((key_bytes_1_1 >> 4) & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (5 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (5 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_5 = tile
+        tile_5 = tile
 
-    code = (key_bytes_0_0 >> 6) & 1
-    code = code | (((key_bytes_1_2 >> 4) & 15) << 1)
+        code = (key_bytes_0_0 >> 6) & 1
+        code = code | (((key_bytes_1_2 >> 4) & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (6 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (6 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_6 = tile
+        tile_6 = tile
 
-    code = (key_bytes_0_0 >> 7) & 1
-    code = code | (((key_bytes_1_3 >> 4) & 15) << 1)
+        code = (key_bytes_0_0 >> 7) & 1
+        code = code | (((key_bytes_1_3 >> 4) & 15) << 1)
 
-    level = (code - 15).to(tl.float32)
+        level = (code - 15).to(tl.float32)
 
-    if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-        group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-        scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-        tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
-        tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
-    else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
-        scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (7 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-        tile = level * scale[:, None]
+        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+            group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
+            tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
+        else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
+            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (7 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+            tile = level * scale[:, None]
 
-    tile_7 = tile
+        tile_7 = tile
 
-    if ROTATED:
-        tile_0 = tile_0.to(tl.float32)
-        tile_1 = tile_1.to(tl.float32)
-        tile_2 = tile_2.to(tl.float32)
-        tile_3 = tile_3.to(tl.float32)
-        tile_4 = tile_4.to(tl.float32)
-        tile_5 = tile_5.to(tl.float32)
-        tile_6 = tile_6.to(tl.float32)
-        tile_7 = tile_7.to(tl.float32)
-    else:
-        # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
-        parity = key_chunk[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if key_out_ptr.dtype.element_ty == tl.float32:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = tile_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-            tile = tile_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
-            tile = tile_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            tile_2 = tl.dot(lo_2, key_hadamard, tl.dot(hi_2, key_hadamard))
-            tile = tile_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            tile_3 = tl.dot(lo_3, key_hadamard, tl.dot(hi_3, key_hadamard))
-            tile = tile_4 * spread[:, None]
-            hi_4 = tile.to(tl.float16)
-            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-            tile_4 = tl.dot(lo_4, key_hadamard, tl.dot(hi_4, key_hadamard))
-            tile = tile_5 * spread[:, None]
-            hi_5 = tile.to(tl.float16)
-            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-            tile_5 = tl.dot(lo_5, key_hadamard, tl.dot(hi_5, key_hadamard))
-            tile = tile_6 * spread[:, None]
-            hi_6 = tile.to(tl.float16)
-            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-            tile_6 = tl.dot(lo_6, key_hadamard, tl.dot(hi_6, key_hadamard))
-            tile = tile_7 * spread[:, None]
-            hi_7 = tile.to(tl.float16)
-            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-            tile_7 = tl.dot(lo_7, key_hadamard, tl.dot(hi_7, key_hadamard))
+        if ROTATED:
+            tile_0 = tile_0.to(tl.float32)
+            tile_1 = tile_1.to(tl.float32)
+            tile_2 = tile_2.to(tl.float32)
+            tile_3 = tile_3.to(tl.float32)
+            tile_4 = tile_4.to(tl.float32)
+            tile_5 = tile_5.to(tl.float32)
+            tile_6 = tile_6.to(tl.float32)
+            tile_7 = tile_7.to(tl.float32)
         else:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-            tile_0 = tl.dot(hi_0, key_hadamard)
-            hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
-            tile_1 = tl.dot(hi_1, key_hadamard)
-            hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
-            tile_2 = tl.dot(hi_2, key_hadamard)
-            hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
-            tile_3 = tl.dot(hi_3, key_hadamard)
-            hi_4 = (tile_4 * spread[:, None]).to(tl.float16)
-            tile_4 = tl.dot(hi_4, key_hadamard)
-            hi_5 = (tile_5 * spread[:, None]).to(tl.float16)
-            tile_5 = tl.dot(hi_5, key_hadamard)
-            hi_6 = (tile_6 * spread[:, None]).to(tl.float16)
-            tile_6 = tl.dot(hi_6, key_hadamard)
-            hi_7 = (tile_7 * spread[:, None]).to(tl.float16)
-            tile_7 = tl.dot(hi_7, key_hadamard)
-        twin = tile_0 - tile_1
-        tile_0 = tile_0 + tile_1
-        tile_1 = twin
-        twin = tile_2 - tile_3
-        tile_2 = tile_2 + tile_3
-        tile_3 = twin
-        twin = tile_4 - tile_5
-        tile_4 = tile_4 + tile_5
-        tile_5 = twin
-        twin = tile_6 - tile_7
-        tile_6 = tile_6 + tile_7
-        tile_7 = twin
-        twin = tile_0 - tile_2
-        tile_0 = tile_0 + tile_2
-        tile_2 = twin
-        twin = tile_1 - tile_3
-        tile_1 = tile_1 + tile_3
-        tile_3 = twin
-        twin = tile_4 - tile_6
-        tile_4 = tile_4 + tile_6
-        tile_6 = twin
-        twin = tile_5 - tile_7
-        tile_5 = tile_5 + tile_7
-        tile_7 = twin
-        twin = tile_0 - tile_4
-        tile_0 = tile_0 + tile_4
-        tile_4 = twin
-        twin = tile_1 - tile_5
-        tile_1 = tile_1 + tile_5
-        tile_5 = twin
-        twin = tile_2 - tile_6
-        tile_2 = tile_2 + tile_6
-        tile_6 = twin
-        twin = tile_3 - tile_7
-        tile_3 = tile_3 + tile_7
-        tile_7 = twin
+            # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
+            parity = key_chunk[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+            if key_out_ptr.dtype.element_ty == tl.float32:
+                largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
+                spread = 1.0 / tl.maximum(largest, 1e-30)
+                tile = tile_0 * spread[:, None]
+                hi_0 = tile.to(tl.float16)
+                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+                tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+                tile = tile_1 * spread[:, None]
+                hi_1 = tile.to(tl.float16)
+                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+                tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+                tile = tile_2 * spread[:, None]
+                hi_2 = tile.to(tl.float16)
+                lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+                tile_2 = tl.dot(lo_2, key_hadamard, tl.dot(hi_2, key_hadamard))
+                tile = tile_3 * spread[:, None]
+                hi_3 = tile.to(tl.float16)
+                lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+                tile_3 = tl.dot(lo_3, key_hadamard, tl.dot(hi_3, key_hadamard))
+                tile = tile_4 * spread[:, None]
+                hi_4 = tile.to(tl.float16)
+                lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+                tile_4 = tl.dot(lo_4, key_hadamard, tl.dot(hi_4, key_hadamard))
+                tile = tile_5 * spread[:, None]
+                hi_5 = tile.to(tl.float16)
+                lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+                tile_5 = tl.dot(lo_5, key_hadamard, tl.dot(hi_5, key_hadamard))
+                tile = tile_6 * spread[:, None]
+                hi_6 = tile.to(tl.float16)
+                lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+                tile_6 = tl.dot(lo_6, key_hadamard, tl.dot(hi_6, key_hadamard))
+                tile = tile_7 * spread[:, None]
+                hi_7 = tile.to(tl.float16)
+                lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+                tile_7 = tl.dot(lo_7, key_hadamard, tl.dot(hi_7, key_hadamard))
+            else:
+                largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
+                spread = 1.0 / tl.maximum(largest, 1e-30)
+                hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
+                tile_0 = tl.dot(hi_0, key_hadamard)
+                hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
+                tile_1 = tl.dot(hi_1, key_hadamard)
+                hi_2 = (tile_2 * spread[:, None]).to(tl.float16)
+                tile_2 = tl.dot(hi_2, key_hadamard)
+                hi_3 = (tile_3 * spread[:, None]).to(tl.float16)
+                tile_3 = tl.dot(hi_3, key_hadamard)
+                hi_4 = (tile_4 * spread[:, None]).to(tl.float16)
+                tile_4 = tl.dot(hi_4, key_hadamard)
+                hi_5 = (tile_5 * spread[:, None]).to(tl.float16)
+                tile_5 = tl.dot(hi_5, key_hadamard)
+                hi_6 = (tile_6 * spread[:, None]).to(tl.float16)
+                tile_6 = tl.dot(hi_6, key_hadamard)
+                hi_7 = (tile_7 * spread[:, None]).to(tl.float16)
+                tile_7 = tl.dot(hi_7, key_hadamard)
+            twin = tile_0 - tile_1
+            tile_0 = tile_0 + tile_1
+            tile_1 = twin
+            twin = tile_2 - tile_3
+            tile_2 = tile_2 + tile_3
+            tile_3 = twin
+            twin = tile_4 - tile_5
+            tile_4 = tile_4 + tile_5
+            tile_5 = twin
+            twin = tile_6 - tile_7
+            tile_6 = tile_6 + tile_7
+            tile_7 = twin
+            twin = tile_0 - tile_2
+            tile_0 = tile_0 + tile_2
+            tile_2 = twin
+            twin = tile_1 - tile_3
+            tile_1 = tile_1 + tile_3
+            tile_3 = twin
+            twin = tile_4 - tile_6
+            tile_4 = tile_4 + tile_6
+            tile_6 = twin
+            twin = tile_5 - tile_7
+            tile_5 = tile_5 + tile_7
+            tile_7 = twin
+            twin = tile_0 - tile_4
+            tile_0 = tile_0 + tile_4
+            tile_4 = twin
+            twin = tile_1 - tile_5
+            tile_1 = tile_1 + tile_5
+            tile_5 = twin
+            twin = tile_2 - tile_6
+            tile_2 = tile_2 + tile_6
+            tile_6 = twin
+            twin = tile_3 - tile_7
+            tile_3 = tile_3 + tile_7
+            tile_7 = twin
 
-        largest = largest * (1.0 / HEAD_DIM ** 0.5)
-        tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_2 = tile_2 * largest[:, None] * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_3 = tile_3 * largest[:, None] * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_4 = tile_4 * largest[:, None] * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_5 = tile_5 * largest[:, None] * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_6 = tile_6 * largest[:, None] * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        tile_7 = tile_7 * largest[:, None] * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            largest = largest * (1.0 / HEAD_DIM ** 0.5)
+            tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+            tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_2 = tile_2 * largest[:, None] * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_3 = tile_3 * largest[:, None] * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_4 = tile_4 * largest[:, None] * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_5 = tile_5 * largest[:, None] * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_6 = tile_6 * largest[:, None] * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            tile_7 = tile_7 * largest[:, None] * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
 
-    tl.store(
-        key_out_ptr + out_at[:, None] + key_chunk[None, :],
-        tile_0.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
-        tile_1.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 2 * KEY_CHUNK + key_chunk[None, :],
-        tile_2.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 3 * KEY_CHUNK + key_chunk[None, :],
-        tile_3.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 4 * KEY_CHUNK + key_chunk[None, :],
-        tile_4.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 5 * KEY_CHUNK + key_chunk[None, :],
-        tile_5.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 6 * KEY_CHUNK + key_chunk[None, :],
-        tile_6.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 7 * KEY_CHUNK + key_chunk[None, :],
-        tile_7.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+        tl.store(
+            key_out_ptr + out_at[:, None] + key_chunk[None, :],
+            tile_0.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
+            tile_1.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 2 * KEY_CHUNK + key_chunk[None, :],
+            tile_2.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 3 * KEY_CHUNK + key_chunk[None, :],
+            tile_3.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 4 * KEY_CHUNK + key_chunk[None, :],
+            tile_4.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 5 * KEY_CHUNK + key_chunk[None, :],
+            tile_5.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 6 * KEY_CHUNK + key_chunk[None, :],
+            tile_6.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 7 * KEY_CHUNK + key_chunk[None, :],
+            tile_7.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
 
-    # value
-    value_c0 = tl.load(value_centroids_ptr + 0)
-    value_c1 = tl.load(value_centroids_ptr + 1)
-    value_c2 = tl.load(value_centroids_ptr + 2)
-    value_c3 = tl.load(value_centroids_ptr + 3)
-    value_c4 = tl.load(value_centroids_ptr + 4)
-    value_c5 = tl.load(value_centroids_ptr + 5)
-    value_c6 = tl.load(value_centroids_ptr + 6)
-    value_c7 = tl.load(value_centroids_ptr + 7)
+        # value
+        value_c0 = tl.load(value_centroids_ptr + 0)
+        value_c1 = tl.load(value_centroids_ptr + 1)
+        value_c2 = tl.load(value_centroids_ptr + 2)
+        value_c3 = tl.load(value_centroids_ptr + 3)
+        value_c4 = tl.load(value_centroids_ptr + 4)
+        value_c5 = tl.load(value_centroids_ptr + 5)
+        value_c6 = tl.load(value_centroids_ptr + 6)
+        value_c7 = tl.load(value_centroids_ptr + 7)
 
-    code = value_bytes_0_0 & 1
-    code = code | ((value_bytes_1_0 & 3) << 1)
+        code = value_bytes_0_0 & 1
+        code = code | ((value_bytes_1_0 & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_0 = tile
+        tile_0 = tile
 
-    code = (value_bytes_0_0 >> 1) & 1
-    code = code | ((value_bytes_1_1 & 3) << 1)
+        code = (value_bytes_0_0 >> 1) & 1
+        code = code | ((value_bytes_1_1 & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_1 = tile
+        tile_1 = tile
 
-    code = (value_bytes_0_0 >> 2) & 1
-    code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
+        code = (value_bytes_0_0 >> 2) & 1
+        code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_2 = tile
+        tile_2 = tile
 
-    code = (value_bytes_0_0 >> 3) & 1
-    code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
+        code = (value_bytes_0_0 >> 3) & 1
+        code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_3 = tile
+        tile_3 = tile
 
-    code = (value_bytes_0_0 >> 4) & 1
-    code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
+        code = (value_bytes_0_0 >> 4) & 1
+        code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_4 = tile
+        tile_4 = tile
 
-    code = (value_bytes_0_0 >> 5) & 1
-    code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
+        code = (value_bytes_0_0 >> 5) & 1
+        code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_5 = tile
+        tile_5 = tile
 
-    code = (value_bytes_0_0 >> 6) & 1
-    code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
+        code = (value_bytes_0_0 >> 6) & 1
+        code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_6 = tile
+        tile_6 = tile
 
-    code = (value_bytes_0_0 >> 7) & 1
-    code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
+        code = (value_bytes_0_0 >> 7) & 1
+        code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-    lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    tile_7 = tile
+        tile_7 = tile
 
-    if ROTATED:
-        tile_0 = tile_0.to(tl.float32) * value_norm[:, None]
-        tile_1 = tile_1.to(tl.float32) * value_norm[:, None]
-        tile_2 = tile_2.to(tl.float32) * value_norm[:, None]
-        tile_3 = tile_3.to(tl.float32) * value_norm[:, None]
-        tile_4 = tile_4.to(tl.float32) * value_norm[:, None]
-        tile_5 = tile_5.to(tl.float32) * value_norm[:, None]
-        tile_6 = tile_6.to(tl.float32) * value_norm[:, None]
-        tile_7 = tile_7.to(tl.float32) * value_norm[:, None]
-    else:
-        # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
-        parity = value_chunk[:, None] & value_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = tile_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-            tile = tile_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-            tile = tile_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-            tile = tile_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-            tile = tile_4 * spread[:, None]
-            hi_4 = tile.to(tl.float16)
-            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-            tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
-            tile = tile_5 * spread[:, None]
-            hi_5 = tile.to(tl.float16)
-            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-            tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
-            tile = tile_6 * spread[:, None]
-            hi_6 = tile.to(tl.float16)
-            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-            tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
-            tile = tile_7 * spread[:, None]
-            hi_7 = tile.to(tl.float16)
-            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-            tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+        if ROTATED:
+            tile_0 = tile_0.to(tl.float32) * value_norm[:, None]
+            tile_1 = tile_1.to(tl.float32) * value_norm[:, None]
+            tile_2 = tile_2.to(tl.float32) * value_norm[:, None]
+            tile_3 = tile_3.to(tl.float32) * value_norm[:, None]
+            tile_4 = tile_4.to(tl.float32) * value_norm[:, None]
+            tile_5 = tile_5.to(tl.float32) * value_norm[:, None]
+            tile_6 = tile_6.to(tl.float32) * value_norm[:, None]
+            tile_7 = tile_7.to(tl.float32) * value_norm[:, None]
         else:
-            # The codebook's values as they stand (the row factor follows the matrix).
-            largest = tl.full([BLOCK_T], 1.0, tl.float32)
-            tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
-            tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
-            tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
-            tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
-            tile_4 = tl.dot(tile_4.to(tl.float16), value_hadamard)
-            tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
-            tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
-            tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
-        twin = tile_0 - tile_1
-        tile_0 = tile_0 + tile_1
-        tile_1 = twin
-        twin = tile_2 - tile_3
-        tile_2 = tile_2 + tile_3
-        tile_3 = twin
-        twin = tile_4 - tile_5
-        tile_4 = tile_4 + tile_5
-        tile_5 = twin
-        twin = tile_6 - tile_7
-        tile_6 = tile_6 + tile_7
-        tile_7 = twin
-        twin = tile_0 - tile_2
-        tile_0 = tile_0 + tile_2
-        tile_2 = twin
-        twin = tile_1 - tile_3
-        tile_1 = tile_1 + tile_3
-        tile_3 = twin
-        twin = tile_4 - tile_6
-        tile_4 = tile_4 + tile_6
-        tile_6 = twin
-        twin = tile_5 - tile_7
-        tile_5 = tile_5 + tile_7
-        tile_7 = twin
-        twin = tile_0 - tile_4
-        tile_0 = tile_0 + tile_4
-        tile_4 = twin
-        twin = tile_1 - tile_5
-        tile_1 = tile_1 + tile_5
-        tile_5 = twin
-        twin = tile_2 - tile_6
-        tile_2 = tile_2 + tile_6
-        tile_6 = twin
-        twin = tile_3 - tile_7
-        tile_3 = tile_3 + tile_7
-        tile_7 = twin
+            # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
+            parity = value_chunk[:, None] & value_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.maximum(tl.max(tl.abs(tile_3), axis=1), tl.maximum(tl.max(tl.abs(tile_4), axis=1), tl.maximum(tl.max(tl.abs(tile_5), axis=1), tl.maximum(tl.max(tl.abs(tile_6), axis=1), tl.max(tl.abs(tile_7), axis=1))))))))
+                spread = 1.0 / tl.maximum(largest, 1e-30)
+                tile = tile_0 * spread[:, None]
+                hi_0 = tile.to(tl.float16)
+                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+                tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+                tile = tile_1 * spread[:, None]
+                hi_1 = tile.to(tl.float16)
+                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+                tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+                tile = tile_2 * spread[:, None]
+                hi_2 = tile.to(tl.float16)
+                lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+                tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+                tile = tile_3 * spread[:, None]
+                hi_3 = tile.to(tl.float16)
+                lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+                tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+                tile = tile_4 * spread[:, None]
+                hi_4 = tile.to(tl.float16)
+                lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+                tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
+                tile = tile_5 * spread[:, None]
+                hi_5 = tile.to(tl.float16)
+                lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+                tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
+                tile = tile_6 * spread[:, None]
+                hi_6 = tile.to(tl.float16)
+                lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+                tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
+                tile = tile_7 * spread[:, None]
+                hi_7 = tile.to(tl.float16)
+                lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+                tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+            else:
+                # The codebook's values as they stand (the row factor follows the matrix).
+                largest = tl.full([BLOCK_T], 1.0, tl.float32)
+                tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+                tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+                tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+                tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
+                tile_4 = tl.dot(tile_4.to(tl.float16), value_hadamard)
+                tile_5 = tl.dot(tile_5.to(tl.float16), value_hadamard)
+                tile_6 = tl.dot(tile_6.to(tl.float16), value_hadamard)
+                tile_7 = tl.dot(tile_7.to(tl.float16), value_hadamard)
+            twin = tile_0 - tile_1
+            tile_0 = tile_0 + tile_1
+            tile_1 = twin
+            twin = tile_2 - tile_3
+            tile_2 = tile_2 + tile_3
+            tile_3 = twin
+            twin = tile_4 - tile_5
+            tile_4 = tile_4 + tile_5
+            tile_5 = twin
+            twin = tile_6 - tile_7
+            tile_6 = tile_6 + tile_7
+            tile_7 = twin
+            twin = tile_0 - tile_2
+            tile_0 = tile_0 + tile_2
+            tile_2 = twin
+            twin = tile_1 - tile_3
+            tile_1 = tile_1 + tile_3
+            tile_3 = twin
+            twin = tile_4 - tile_6
+            tile_4 = tile_4 + tile_6
+            tile_6 = twin
+            twin = tile_5 - tile_7
+            tile_5 = tile_5 + tile_7
+            tile_7 = twin
+            twin = tile_0 - tile_4
+            tile_0 = tile_0 + tile_4
+            tile_4 = twin
+            twin = tile_1 - tile_5
+            tile_1 = tile_1 + tile_5
+            tile_5 = twin
+            twin = tile_2 - tile_6
+            tile_2 = tile_2 + tile_6
+            tile_6 = twin
+            twin = tile_3 - tile_7
+            tile_3 = tile_3 + tile_7
+            tile_7 = twin
 
-        largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
-        tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-        tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_4 = tile_4 * largest[:, None] * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_5 = tile_5 * largest[:, None] * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_6 = tile_6 * largest[:, None] * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_7 = tile_7 * largest[:, None] * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
+            tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+            tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_4 = tile_4 * largest[:, None] * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_5 = tile_5 * largest[:, None] * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_6 = tile_6 * largest[:, None] * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_7 = tile_7 * largest[:, None] * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
 
-    tl.store(
-        value_out_ptr + out_at[:, None] + value_chunk[None, :],
-        tile_0.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
-        tile_1.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
-        tile_2.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
-        tile_3.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 4 * VALUE_CHUNK + value_chunk[None, :],
-        tile_4.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 5 * VALUE_CHUNK + value_chunk[None, :],
-        tile_5.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 6 * VALUE_CHUNK + value_chunk[None, :],
-        tile_6.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 7 * VALUE_CHUNK + value_chunk[None, :],
-        tile_7.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+        tl.store(
+            value_out_ptr + out_at[:, None] + value_chunk[None, :],
+            tile_0.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
+            tile_1.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
+            tile_2.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
+            tile_3.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 4 * VALUE_CHUNK + value_chunk[None, :],
+            tile_4.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 5 * VALUE_CHUNK + value_chunk[None, :],
+            tile_5.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 6 * VALUE_CHUNK + value_chunk[None, :],
+            tile_6.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 7 * VALUE_CHUNK + value_chunk[None, :],
+            tile_7.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
 
 
 @triton.jit
@@ -1338,7 +1340,6 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -1358,7 +1359,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * TOKENS_PER_SPLIT
+    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
+    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
@@ -1396,7 +1400,7 @@ def _decode_kernel(
     value_c6 = tl.load(value_centroids_ptr + 6)
     value_c7 = tl.load(value_centroids_ptr + 7)
 
-    end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -1422,8 +1426,7 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
-    for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+    for offset in range(0, tokens_per_split, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
         row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
@@ -1735,9 +1738,9 @@ def _decode_reduce_kernel(
     out_ptr,
     seq_lens_ptr,
     value_matrix_ptr,
-    tokens_per_split,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -1751,6 +1754,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -2137,11 +2141,15 @@ def flatten(
             if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
                 raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
             _check_block_ids(cache, block_tables, seq_lens)
-        longest = capacity  # the kernel's programs past a sequence's end return at once
+        longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
+    if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
+        batch_heads = block_tables.shape[0] * cache.num_kv_heads
+        tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
+    grid = (block_tables.shape[0], tiles, cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
@@ -2219,7 +2227,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
-    tokens_per_split: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -2259,13 +2266,13 @@ def plan_decode(
         if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
-    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
-    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
+    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
+    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
-    num_splits = _cdiv(capacity, tokens_per_split)
+    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
@@ -2275,8 +2282,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, tokens_per_split=tokens_per_split,
-        num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -2341,7 +2347,7 @@ def decode(
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
-    num_splits, tokens_per_split = plan.num_splits, plan.tokens_per_split
+    num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     _launch_at(
@@ -2372,7 +2378,6 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -2384,14 +2389,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, value_matrix=tables["value_matrix"], dtype=query.dtype)  # the merge rotates back and casts
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, value_matrix, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -2399,8 +2404,8 @@ def _reduce(
     # A plan's scratch is the same tensors every layer: the site is the partial's own.
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, value_matrix, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        partial, partial_max, partial_sum, out, seq_lens, value_matrix, num_splits,
+        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

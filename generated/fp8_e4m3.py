@@ -65,6 +65,9 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 32
+# The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
+# loads); a split takes several when a sequence is longer than the chunks its split count covers.
+_SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -293,6 +296,7 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -312,9 +316,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
-    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Each sequence's tokens are split evenly over the split programs, in whole SPLIT_CHUNKs: the grid depends on the
+    # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
@@ -348,63 +352,65 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    for offset in range(0, tokens_per_split, BLOCK_N):
-        position = start + offset + BLOCK_N + token
-        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
-        key_scale_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+    # Whole SPLIT_CHUNKs, each a loop of constant trip count, which Triton pipelines.
+    for chunk in range(0, tokens_per_split, SPLIT_CHUNK):
+        for tile in range(0, SPLIT_CHUNK, BLOCK_N):
+            position = start + chunk + tile + BLOCK_N + token
+            valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+            row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+            key_scale_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
-        value_scale_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+            value_scale_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
-        position += BLOCK_N
-        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+            position += BLOCK_N
+            block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+            key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        key_scale = key_scale_raw.to(tl.float32)
+            key_scale = key_scale_raw.to(tl.float32)
 
-        code = key_bytes_0_0
+            code = key_bytes_0_0
 
-        # fp8 codes are the format's own bit patterns: the hardware converts them.
-        level = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            # fp8 codes are the format's own bit patterns: the hardware converts them.
+            level = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
-        tile = level
+            tile = level
 
-        dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
-        scores = dots * key_scale[None, :]
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
-        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
-        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
-            alpha = tl.exp2(running_max - new_max)
-            running_sum *= alpha
-            acc_0 *= alpha[:, None]
-            running_max = new_max
-        p = tl.exp2(scores - running_max[:, None])
-        running_sum += tl.sum(p, axis=1)
+            scores = dots * key_scale[None, :]
+            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+            # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+            if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+                alpha = tl.exp2(running_max - new_max)
+                running_sum *= alpha
+                acc_0 *= alpha[:, None]
+                running_max = new_max
+            p = tl.exp2(scores - running_max[:, None])
+            running_sum += tl.sum(p, axis=1)
 
-        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+            value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        value_scale = value_scale_raw.to(tl.float32)
+            value_scale = value_scale_raw.to(tl.float32)
 
-        weights = (p * value_scale[None, :]).to(DOT_DTYPE)
-        code = value_bytes_0_0
+            weights = (p * value_scale[None, :]).to(DOT_DTYPE)
+            code = value_bytes_0_0
 
-        # fp8 codes are the format's own bit patterns: the hardware converts them.
-        level = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            # fp8 codes are the format's own bit patterns: the hardware converts them.
+            level = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
-        tile = level
+            tile = level
 
-        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
 
-        row = row_next
-        valid = valid_next
-        key_scale_raw = key_scale_next
-        value_scale_raw = value_scale_next
+            row = row_next
+            valid = valid_next
+            key_scale_raw = key_scale_next
+            value_scale_raw = value_scale_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -421,7 +427,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -435,7 +441,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -856,6 +862,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
+    split_chunk: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -896,12 +903,14 @@ def plan_decode(
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
     # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
-    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
-    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
+    # tokens in whole chunks, worked out in the kernel from seq_lens, so a launch (and a captured graph) serves any
+    # lengths. The chunk, a power of two, is what the block tables' capacity would give each split, at most
+    # _SPLIT_CHUNK_MAX: an engine's graph-padded tables (LMDeploy's are as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
+    split_chunk = min(max(block_n, _pow2(_cdiv(capacity, wanted))), _SPLIT_CHUNK_MAX)
+    num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
@@ -910,7 +919,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, split_chunk=split_chunk, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -996,6 +1005,7 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
+        SPLIT_CHUNK=plan.split_chunk,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -1007,14 +1017,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -1023,7 +1033,7 @@ def _reduce(
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, num_splits,
-        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

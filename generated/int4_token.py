@@ -65,6 +65,9 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 32
+# The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
+# loads); a split takes several when a sequence is longer than the chunks its split count covers.
+_SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -395,6 +398,7 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -416,9 +420,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
-    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Each sequence's tokens are split evenly over the split programs, in whole SPLIT_CHUNKs: the grid depends on the
+    # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
@@ -469,113 +473,115 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    for offset in range(0, tokens_per_split, BLOCK_N):
-        position = start + offset + BLOCK_N + token
-        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
-        key_scale_next = tl.load(key_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
-        key_zero_next = tl.load(key_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
+    # Whole SPLIT_CHUNKs, each a loop of constant trip count, which Triton pipelines.
+    for chunk in range(0, tokens_per_split, SPLIT_CHUNK):
+        for tile in range(0, SPLIT_CHUNK, BLOCK_N):
+            position = start + chunk + tile + BLOCK_N + token
+            valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+            row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+            key_scale_next = tl.load(key_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
+            key_zero_next = tl.load(key_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
 
-        value_scale_next = tl.load(value_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
-        value_zero_next = tl.load(value_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
+            value_scale_next = tl.load(value_meta_ptr + row_next * 2 + 0, mask=valid_next, other=0.0)
+            value_zero_next = tl.load(value_meta_ptr + row_next * 2 + 1, mask=valid_next, other=0.0)
 
-        position += BLOCK_N
-        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+            position += BLOCK_N
+            block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
+            # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+            key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :], mask=valid[:, None], other=0)
 
-        key_scale = key_scale_raw.to(tl.float32)
-        key_zero = key_zero_raw.to(tl.float32)
-        # The dots take code - 8, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
-        key_shift = key_zero + 8 * key_scale
+            key_scale = key_scale_raw.to(tl.float32)
+            key_zero = key_zero_raw.to(tl.float32)
+            # The dots take code - 8, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
+            key_shift = key_zero + 8 * key_scale
 
-        if FAST_UNPACK:
-            tile_0, tile_1 = _unpack_u4(key_bytes_0_0)
+            if FAST_UNPACK:
+                tile_0, tile_1 = _unpack_u4(key_bytes_0_0)
 
-            dots = tl.dot(query_0, tl.trans(tile_0))
-            dots += tl.dot(query_1, tl.trans(tile_1))
-        else:
-            key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
-            code = key_bytes_0_0 & 15
+                dots = tl.dot(query_0, tl.trans(tile_0))
+                dots += tl.dot(query_1, tl.trans(tile_1))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                code = key_bytes_0_0 & 15
 
-            level = code.to(tl.float32)
+                level = code.to(tl.float32)
 
-            tile = level
+                tile = level
 
-            dots = _mm(query_0, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 15
+                dots = _mm(query_0, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 15
 
-            level = code.to(tl.float32)
+                level = code.to(tl.float32)
 
-            tile = level
+                tile = level
 
-            dots += _mm(query_1, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
+                dots += _mm(query_1, tl.trans((tile - 8).to(DOT_DTYPE)), DOT_PRECISION)
 
-        scores = dots * key_scale[None, :] + query_sum[:, None] * key_shift[None, :]
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
-        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
-        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
-            alpha = tl.exp2(running_max - new_max)
-            running_sum *= alpha
-            acc_shift *= alpha
-            acc_0_0 *= alpha[:, None]
-            acc_0_1 *= alpha[:, None]
-            acc_0_2 *= alpha[:, None]
-            acc_0_3 *= alpha[:, None]
-            acc_1_0 *= alpha[:, None]
-            acc_1_1 *= alpha[:, None]
-            acc_1_2 *= alpha[:, None]
-            acc_1_3 *= alpha[:, None]
-            running_max = new_max
-        p = tl.exp2(scores - running_max[:, None])
-        running_sum += tl.sum(p, axis=1)
+            scores = dots * key_scale[None, :] + query_sum[:, None] * key_shift[None, :]
+            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+            # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+            if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+                alpha = tl.exp2(running_max - new_max)
+                running_sum *= alpha
+                acc_shift *= alpha
+                acc_0_0 *= alpha[:, None]
+                acc_0_1 *= alpha[:, None]
+                acc_0_2 *= alpha[:, None]
+                acc_0_3 *= alpha[:, None]
+                acc_1_0 *= alpha[:, None]
+                acc_1_1 *= alpha[:, None]
+                acc_1_2 *= alpha[:, None]
+                acc_1_3 *= alpha[:, None]
+                running_max = new_max
+            p = tl.exp2(scores - running_max[:, None])
+            running_sum += tl.sum(p, axis=1)
 
-        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_words = tl.load(value_codes_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * VALUE_WORDS + value_word[None, :], mask=valid[:, None], other=0)
+            # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+            value_words = tl.load(value_codes_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * VALUE_WORDS + value_word[None, :], mask=valid[:, None], other=0)
 
-        value_scale = value_scale_raw.to(tl.float32)
-        value_zero = value_zero_raw.to(tl.float32)
-        # The dots take code - 8, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
-        value_shift = value_zero + 8 * value_scale
+            value_scale = value_scale_raw.to(tl.float32)
+            value_zero = value_zero_raw.to(tl.float32)
+            # The dots take code - 8, so the tensor cores' accumulator stays near the output's size; the shift adds it back.
+            value_shift = value_zero + 8 * value_scale
 
-        weights = (p * value_scale[None, :]).to(DOT_DTYPE)
-        acc_shift += tl.sum(p * value_shift[None, :], axis=1)
-        if FAST_UNPACK:
-            tile_0_0, tile_0_1, tile_0_2, tile_0_3, tile_1_0, tile_1_1, tile_1_2, tile_1_3 = _unpack_u4_words(value_words)
-            acc_0_0 = tl.dot(weights, tile_0_0, acc_0_0)
-            acc_0_1 = tl.dot(weights, tile_0_1, acc_0_1)
-            acc_0_2 = tl.dot(weights, tile_0_2, acc_0_2)
-            acc_0_3 = tl.dot(weights, tile_0_3, acc_0_3)
-            acc_1_0 = tl.dot(weights, tile_1_0, acc_1_0)
-            acc_1_1 = tl.dot(weights, tile_1_1, acc_1_1)
-            acc_1_2 = tl.dot(weights, tile_1_2, acc_1_2)
-            acc_1_3 = tl.dot(weights, tile_1_3, acc_1_3)
-        else:
-            tile = (value_words & 15).to(tl.float32)
-            acc_0_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_0)
-            tile = ((value_words >> 8) & 15).to(tl.float32)
-            acc_0_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_1)
-            tile = ((value_words >> 16) & 15).to(tl.float32)
-            acc_0_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_2)
-            tile = ((value_words >> 24) & 15).to(tl.float32)
-            acc_0_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_3)
-            tile = ((value_words >> 4) & 15).to(tl.float32)
-            acc_1_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_0)
-            tile = ((value_words >> 12) & 15).to(tl.float32)
-            acc_1_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_1)
-            tile = ((value_words >> 20) & 15).to(tl.float32)
-            acc_1_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_2)
-            tile = ((value_words >> 28) & 15).to(tl.float32)
-            acc_1_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_3)
-        row = row_next
-        valid = valid_next
-        key_scale_raw = key_scale_next
-        key_zero_raw = key_zero_next
-        value_scale_raw = value_scale_next
-        value_zero_raw = value_zero_next
+            weights = (p * value_scale[None, :]).to(DOT_DTYPE)
+            acc_shift += tl.sum(p * value_shift[None, :], axis=1)
+            if FAST_UNPACK:
+                tile_0_0, tile_0_1, tile_0_2, tile_0_3, tile_1_0, tile_1_1, tile_1_2, tile_1_3 = _unpack_u4_words(value_words)
+                acc_0_0 = tl.dot(weights, tile_0_0, acc_0_0)
+                acc_0_1 = tl.dot(weights, tile_0_1, acc_0_1)
+                acc_0_2 = tl.dot(weights, tile_0_2, acc_0_2)
+                acc_0_3 = tl.dot(weights, tile_0_3, acc_0_3)
+                acc_1_0 = tl.dot(weights, tile_1_0, acc_1_0)
+                acc_1_1 = tl.dot(weights, tile_1_1, acc_1_1)
+                acc_1_2 = tl.dot(weights, tile_1_2, acc_1_2)
+                acc_1_3 = tl.dot(weights, tile_1_3, acc_1_3)
+            else:
+                tile = (value_words & 15).to(tl.float32)
+                acc_0_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_0)
+                tile = ((value_words >> 8) & 15).to(tl.float32)
+                acc_0_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_1)
+                tile = ((value_words >> 16) & 15).to(tl.float32)
+                acc_0_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_2)
+                tile = ((value_words >> 24) & 15).to(tl.float32)
+                acc_0_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_0_3)
+                tile = ((value_words >> 4) & 15).to(tl.float32)
+                acc_1_0 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_0)
+                tile = ((value_words >> 12) & 15).to(tl.float32)
+                acc_1_1 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_1)
+                tile = ((value_words >> 20) & 15).to(tl.float32)
+                acc_1_2 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_2)
+                tile = ((value_words >> 28) & 15).to(tl.float32)
+                acc_1_3 = _mm(weights, (tile - 8).to(DOT_DTYPE), DOT_PRECISION, acc_1_3)
+            row = row_next
+            valid = valid_next
+            key_scale_raw = key_scale_next
+            key_zero_raw = key_zero_next
+            value_scale_raw = value_scale_next
+            value_zero_raw = value_zero_next
 
     # Back to position order, a chunk at a time: byte b of word w is the chunk's column 4w + b.
     acc_0 = tl.reshape(tl.join(tl.join(acc_0_0, acc_0_2), tl.join(acc_0_1, acc_0_3)), [GROUP_PAD, VALUE_CHUNK])
@@ -598,7 +604,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -612,7 +618,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -1033,6 +1039,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
+    split_chunk: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -1073,12 +1080,14 @@ def plan_decode(
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
     # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
-    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
-    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
+    # tokens in whole chunks, worked out in the kernel from seq_lens, so a launch (and a captured graph) serves any
+    # lengths. The chunk, a power of two, is what the block tables' capacity would give each split, at most
+    # _SPLIT_CHUNK_MAX: an engine's graph-padded tables (LMDeploy's are as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
+    split_chunk = min(max(block_n, _pow2(_cdiv(capacity, wanted))), _SPLIT_CHUNK_MAX)
+    num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
@@ -1087,7 +1096,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, split_chunk=split_chunk, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -1173,6 +1182,7 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
+        SPLIT_CHUNK=plan.split_chunk,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -1185,14 +1195,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -1201,7 +1211,7 @@ def _reduce(
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, num_splits,
-        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

@@ -71,6 +71,9 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
 _FILL_BLOCK_T = 32
+# The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
+# loads); a split takes several when a sequence is longer than the chunks its split count covers.
+_SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -478,6 +481,7 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -498,9 +502,9 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     seq_len = tl.maximum(seq_len - 128, 0)  # the last 128 tokens are _window_decode_kernel's
-    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
-    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits - 1), BLOCK_N) * BLOCK_N
+    # Each sequence's tokens are split evenly over the split programs, in whole SPLIT_CHUNKs: the grid depends on the
+    # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
@@ -542,151 +546,153 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    for offset in range(0, tokens_per_split, BLOCK_N):
-        position = start + offset + BLOCK_N + token
-        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+    # Whole SPLIT_CHUNKs, each a loop of constant trip count, which Triton pipelines.
+    for chunk in range(0, tokens_per_split, SPLIT_CHUNK):
+        for tile in range(0, SPLIT_CHUNK, BLOCK_N):
+            position = start + chunk + tile + BLOCK_N + token
+            valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+            row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
 
-        position += BLOCK_N
-        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+            position += BLOCK_N
+            block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+            key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        key_first = tl.max(tl.where(valid, row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0)
-        code = key_bytes_0_0 & 3
+            key_first = tl.max(tl.where(valid, row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0)
+            code = key_bytes_0_0 & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        index = (key_chunk) * 2
-        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
-        index = (key_chunk) * 2 + 1
-        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (key_chunk) * 2
+            scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (key_chunk) * 2 + 1
+            zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        dots = _mm((query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
-        query_zero = tl.sum(query_0.to(tl.float32) * zero[None, :], axis=1)
-        code = (key_bytes_0_0 >> 2) & 3
+            dots = _mm((query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+            query_zero = tl.sum(query_0.to(tl.float32) * zero[None, :], axis=1)
+            code = (key_bytes_0_0 >> 2) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        index = (1 * KEY_CHUNK + key_chunk) * 2
-        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
-        index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
-        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (1 * KEY_CHUNK + key_chunk) * 2
+            scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+            zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        dots += _mm((query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
-        query_zero += tl.sum(query_1.to(tl.float32) * zero[None, :], axis=1)
-        code = (key_bytes_0_0 >> 4) & 3
+            dots += _mm((query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+            query_zero += tl.sum(query_1.to(tl.float32) * zero[None, :], axis=1)
+            code = (key_bytes_0_0 >> 4) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        index = (2 * KEY_CHUNK + key_chunk) * 2
-        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
-        index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
-        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (2 * KEY_CHUNK + key_chunk) * 2
+            scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+            zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        dots += _mm((query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
-        query_zero += tl.sum(query_2.to(tl.float32) * zero[None, :], axis=1)
-        code = (key_bytes_0_0 >> 6) & 3
+            dots += _mm((query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+            query_zero += tl.sum(query_2.to(tl.float32) * zero[None, :], axis=1)
+            code = (key_bytes_0_0 >> 6) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        index = (3 * KEY_CHUNK + key_chunk) * 2
-        scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
-        index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
-        zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (3 * KEY_CHUNK + key_chunk) * 2
+            scale = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
+            index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+            zero = tl.load(key_meta_ptr + (key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2), mask=(key_chunk >= 0) & (key_first >= 0), other=0.0).to(tl.float32)
 
-        dots += _mm((query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
-        query_zero += tl.sum(query_3.to(tl.float32) * zero[None, :], axis=1)
-        dots += query_zero[:, None]
+            dots += _mm((query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(level.to(DOT_DTYPE)), DOT_PRECISION)
+            query_zero += tl.sum(query_3.to(tl.float32) * zero[None, :], axis=1)
+            dots += query_zero[:, None]
 
-        scores = dots
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
-        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
-        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
-            alpha = tl.exp2(running_max - new_max)
-            running_sum *= alpha
-            acc_0 *= alpha[:, None]
-            acc_1 *= alpha[:, None]
-            acc_2 *= alpha[:, None]
-            acc_3 *= alpha[:, None]
-            running_max = new_max
-        p = tl.exp2(scores - running_max[:, None])
-        running_sum += tl.sum(p, axis=1)
+            scores = dots
+            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+            # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+            if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+                alpha = tl.exp2(running_max - new_max)
+                running_sum *= alpha
+                acc_0 *= alpha[:, None]
+                acc_1 *= alpha[:, None]
+                acc_2 *= alpha[:, None]
+                acc_3 *= alpha[:, None]
+                running_max = new_max
+            p = tl.exp2(scores - running_max[:, None])
+            running_sum += tl.sum(p, axis=1)
 
-        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+            value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        weights = p.to(DOT_DTYPE)
-        code = value_bytes_0_0 & 3
+            weights = p.to(DOT_DTYPE)
+            code = value_bytes_0_0 & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-            group = tl.arange(0, VALUE_GROUPS)
-            scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-        else:  # head_dim 64: chunk 0 lies in group 0 // VALUE_SPAN
-            scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None] + zero[:, None]
+            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
+                group = tl.arange(0, VALUE_GROUPS)
+                scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
+            else:  # head_dim 64: chunk 0 lies in group 0 // VALUE_SPAN
+                scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None] + zero[:, None]
 
-        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-        code = (value_bytes_0_0 >> 2) & 3
+            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+            code = (value_bytes_0_0 >> 2) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-            group = 1 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-            scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-        else:  # head_dim 64: chunk 1 lies in group 1 // VALUE_SPAN
-            scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None] + zero[:, None]
+            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
+                group = 1 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
+                scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
+            else:  # head_dim 64: chunk 1 lies in group 1 // VALUE_SPAN
+                scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None] + zero[:, None]
 
-        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-        code = (value_bytes_0_0 >> 4) & 3
+            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+            code = (value_bytes_0_0 >> 4) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-            group = 2 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-            scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-        else:  # head_dim 64: chunk 2 lies in group 2 // VALUE_SPAN
-            scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None] + zero[:, None]
+            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
+                group = 2 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
+                scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
+            else:  # head_dim 64: chunk 2 lies in group 2 // VALUE_SPAN
+                scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None] + zero[:, None]
 
-        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-        code = (value_bytes_0_0 >> 6) & 3
+            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+            code = (value_bytes_0_0 >> 6) & 3
 
-        level = code.to(tl.float32)
+            level = code.to(tl.float32)
 
-        if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-            group = 3 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-            scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-        else:  # head_dim 64: chunk 3 lies in group 3 // VALUE_SPAN
-            scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
-            zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None] + zero[:, None]
+            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
+                group = 3 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
+                scale = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
+            else:  # head_dim 64: chunk 3 lies in group 3 // VALUE_SPAN
+                scale = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2, mask=valid, other=0.0).to(tl.float32)
+                zero = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None] + zero[:, None]
 
-        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 
-        row = row_next
-        valid = valid_next
+            row = row_next
+            valid = valid_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -706,7 +712,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -722,7 +728,7 @@ def _decode_reduce_kernel(
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
     # The last split is the window's, which always runs.
     quantized = tl.maximum(seq_len - 128, 0)
-    tokens_per_split = tl.cdiv(tl.cdiv(quantized, num_splits - 1), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
+    tokens_per_split = tl.cdiv(tl.cdiv(quantized, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel
     has = (split < num_splits - 1) & (split * tokens_per_split < quantized) | (split == num_splits - 1)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -1481,6 +1487,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
+    split_chunk: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -1524,13 +1531,15 @@ def plan_decode(
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
     # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
-    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
-    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
+    # tokens in whole chunks, worked out in the kernel from seq_lens, so a launch (and a captured graph) serves any
+    # lengths. The chunk, a power of two, is what the block tables' capacity would give each split, at most
+    # _SPLIT_CHUNK_MAX: an engine's graph-padded tables (LMDeploy's are as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     block_n = min(block_n, KEY_GROUP_SIZE)  # tiles inside one token group: its scales factor out of the dot
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    num_splits = max(1, min(wanted, _cdiv(capacity, block_n))) + 1  # the last split: the window
+    split_chunk = min(max(block_n, _pow2(_cdiv(capacity, wanted))), _SPLIT_CHUNK_MAX)
+    num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk))) + 1  # the last split: the window
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
@@ -1539,7 +1548,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, window_index=window_index, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, split_chunk=split_chunk, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -1629,6 +1638,7 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
+        SPLIT_CHUNK=plan.split_chunk,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -1663,14 +1673,14 @@ def decode(
     # The window's output is in the input basis: into position order like the quantized splits'.
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -1679,7 +1689,7 @@ def _reduce(
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, num_splits,
-        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

@@ -94,6 +94,9 @@ _FILL_PROGRAMS_PER_SM = 8
 # Registers per thread of the looping fill: a cap that lets one more program reside per SM, where it measured faster
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
+# The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
+# loads); a split takes several when a sequence is longer than the chunks its split count covers.
+_SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -1340,6 +1343,7 @@ def _decode_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
@@ -1359,9 +1363,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence's tokens are split evenly over the split programs, in whole tiles: the grid depends on the batch
-    # alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Each sequence's tokens are split evenly over the split programs, in whole SPLIT_CHUNKs: the grid depends on the
+    # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
@@ -1426,280 +1430,282 @@ def _decode_kernel(
 
     position += BLOCK_N
     block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
-    for offset in range(0, tokens_per_split, BLOCK_N):
-        position = start + offset + BLOCK_N + token
-        valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
-        row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+    # Whole SPLIT_CHUNKs, each a loop of constant trip count, which Triton pipelines.
+    for chunk in range(0, tokens_per_split, SPLIT_CHUNK):
+        for tile in range(0, SPLIT_CHUNK, BLOCK_N):
+            position = start + chunk + tile + BLOCK_N + token
+            valid_next = (position < end) & (block_next >= 0) & (block_next < num_blocks)
+            row_next = block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
 
-        value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+            value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
-        position += BLOCK_N
-        block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+            position += BLOCK_N
+            block_next = tl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE, mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
 
-        # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-        key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        key_bytes_1_2 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        key_bytes_1_3 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
+            key_bytes_0_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            key_bytes_1_0 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            key_bytes_1_1 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            key_bytes_1_2 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            key_bytes_1_3 = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK + key_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        code = key_bytes_0_0 & 1
-        code = code | ((key_bytes_1_0 & 15) << 1)
+            code = key_bytes_0_0 & 1
+            code = code | ((key_bytes_1_0 & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (0 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (0 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 1) & 1
-        code = code | ((key_bytes_1_1 & 15) << 1)
+            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 1) & 1
+            code = code | ((key_bytes_1_1 & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (1 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (1 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 2) & 1
-        code = code | ((key_bytes_1_2 & 15) << 1)
+            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 2) & 1
+            code = code | ((key_bytes_1_2 & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (2 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (2 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 3) & 1
-        code = code | ((key_bytes_1_3 & 15) << 1)
+            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 3) & 1
+            code = code | ((key_bytes_1_3 & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (3 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (3 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 4) & 1
-        code = code | (((key_bytes_1_0 >> 4) & 15) << 1)
+            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 4) & 1
+            code = code | (((key_bytes_1_0 >> 4) & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (4 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (4 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 5) & 1
-        code = code | (((key_bytes_1_1 >> 4) & 15) << 1)
+            dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 5) & 1
+            code = code | (((key_bytes_1_1 >> 4) & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (5 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (5 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 6) & 1
-        code = code | (((key_bytes_1_2 >> 4) & 15) << 1)
+            dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 6) & 1
+            code = code | (((key_bytes_1_2 >> 4) & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (6 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (6 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-        code = (key_bytes_0_0 >> 7) & 1
-        code = code | (((key_bytes_1_3 >> 4) & 15) << 1)
+            dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            code = (key_bytes_0_0 >> 7) & 1
+            code = code | (((key_bytes_1_3 >> 4) & 15) << 1)
 
-        level = (code - 15).to(tl.float32)
+            level = (code - 15).to(tl.float32)
 
-        if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-            group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-        else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
-            scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (7 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
-            tile = level * scale[:, None]
+            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
+                group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
+                scale = tl.load(key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1, mask=valid[:, None], other=0.0).to(tl.float32)
+                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
+                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
+            else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
+                scale = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (7 // KEY_SPAN) * 1, mask=valid, other=0.0).to(tl.float32)
+                tile = level * scale[:, None]
 
-        dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+            dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
-        scores = dots
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
-        # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
-        if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
-            alpha = tl.exp2(running_max - new_max)
-            running_sum *= alpha
-            acc_0 *= alpha[:, None]
-            acc_1 *= alpha[:, None]
-            acc_2 *= alpha[:, None]
-            acc_3 *= alpha[:, None]
-            acc_4 *= alpha[:, None]
-            acc_5 *= alpha[:, None]
-            acc_6 *= alpha[:, None]
-            acc_7 *= alpha[:, None]
-            running_max = new_max
-        p = tl.exp2(scores - running_max[:, None])
-        running_sum += tl.sum(p, axis=1)
+            scores = dots
+            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
+            # costs a reduction and a branch, which only some schemes earn back (the tuning table says which).
+            if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
+                alpha = tl.exp2(running_max - new_max)
+                running_sum *= alpha
+                acc_0 *= alpha[:, None]
+                acc_1 *= alpha[:, None]
+                acc_2 *= alpha[:, None]
+                acc_3 *= alpha[:, None]
+                acc_4 *= alpha[:, None]
+                acc_5 *= alpha[:, None]
+                acc_6 *= alpha[:, None]
+                acc_7 *= alpha[:, None]
+                running_max = new_max
+            p = tl.exp2(scores - running_max[:, None])
+            running_sum += tl.sum(p, axis=1)
 
-        # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
-        value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the wrapper]
+            value_bytes_0_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            value_bytes_1_0 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            value_bytes_1_1 = tl.load(value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK + value_chunk[None, :], mask=valid[:, None], other=0).to(tl.int32)
 
-        value_norm = value_norm_raw.to(tl.float32)
+            value_norm = value_norm_raw.to(tl.float32)
 
-        weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-        code = value_bytes_0_0 & 1
-        code = code | ((value_bytes_1_0 & 3) << 1)
+            weights = (p * value_norm[None, :]).to(DOT_DTYPE)
+            code = value_bytes_0_0 & 1
+            code = code | ((value_bytes_1_0 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-        code = (value_bytes_0_0 >> 1) & 1
-        code = code | ((value_bytes_1_1 & 3) << 1)
+            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+            code = (value_bytes_0_0 >> 1) & 1
+            code = code | ((value_bytes_1_1 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-        code = (value_bytes_0_0 >> 2) & 1
-        code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
+            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+            code = (value_bytes_0_0 >> 2) & 1
+            code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-        code = (value_bytes_0_0 >> 3) & 1
-        code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
+            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+            code = (value_bytes_0_0 >> 3) & 1
+            code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
-        code = (value_bytes_0_0 >> 4) & 1
-        code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
+            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+            code = (value_bytes_0_0 >> 4) & 1
+            code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
-        code = (value_bytes_0_0 >> 5) & 1
-        code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
+            acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
+            code = (value_bytes_0_0 >> 5) & 1
+            code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
-        code = (value_bytes_0_0 >> 6) & 1
-        code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
+            acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
+            code = (value_bytes_0_0 >> 6) & 1
+            code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
-        code = (value_bytes_0_0 >> 7) & 1
-        code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
+            acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
+            code = (value_bytes_0_0 >> 7) & 1
+            code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+            tile = lut_2_0
 
-        acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
+            acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
 
-        row = row_next
-        valid = valid_next
-        value_norm_raw = value_norm_next
+            row = row_next
+            valid = valid_next
+            value_norm_raw = value_norm_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
@@ -1740,7 +1746,7 @@ def _decode_reduce_kernel(
     value_matrix_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
@@ -1754,7 +1760,7 @@ def _decode_reduce_kernel(
     dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as _decode_kernel splits
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel splits
     has = (split < num_splits) & (split * tokens_per_split < seq_len)
     split_max = tl.load(partial_max_ptr + part, mask=has, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + part, mask=has, other=0.0)
@@ -2227,6 +2233,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     register_cap: "int | None"
+    split_chunk: int
     num_splits: int
     pdl: bool
     scratch: dict
@@ -2267,12 +2274,14 @@ def plan_decode(
             raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
         _check_block_ids(cache, block_tables, seq_lens)
     # Split-K over the context: enough programs to fill the device, each taking an equal share of its sequence's
-    # tokens, worked out in the kernel from seq_lens. The grid, and so a captured graph, depends on the batch alone:
-    # an engine's graph-padded block tables (as wide as its whole pool) cost nothing.
+    # tokens in whole chunks, worked out in the kernel from seq_lens, so a launch (and a captured graph) serves any
+    # lengths. The chunk, a power of two, is what the block tables' capacity would give each split, at most
+    # _SPLIT_CHUNK_MAX: an engine's graph-padded tables (LMDeploy's are as wide as its whole pool) cost nothing.
     capacity = block_tables.shape[1] * cache.block_size
     block_n, num_warps, num_stages, splits_per_sm, max_splits, *register_cap = _decode_config(head_dim)
     wanted = max(1, min(max_splits, _cdiv(_target_programs(device, splits_per_sm), max(batch, 1) * cache.num_kv_heads)))
-    num_splits = max(1, min(wanted, _cdiv(capacity, block_n)))
+    split_chunk = min(max(block_n, _pow2(_cdiv(capacity, wanted))), _SPLIT_CHUNK_MAX)
+    num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
     scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
@@ -2282,7 +2291,7 @@ def plan_decode(
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        register_cap=register_cap[0] if register_cap else None, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
+        register_cap=register_cap[0] if register_cap else None, split_chunk=split_chunk, num_splits=num_splits, pdl=_dependent_launch(device), scratch=scratch, launches={},
     )
 
 
@@ -2378,6 +2387,7 @@ def decode(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         BLOCK_N=block_n,
+        SPLIT_CHUNK=plan.split_chunk,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
@@ -2389,14 +2399,14 @@ def decode(
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        block_n=block_n, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
+        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, value_matrix=tables["value_matrix"], dtype=query.dtype)  # the merge rotates back and casts
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 
 def _reduce(
-    partial, partial_max, partial_sum, seq_lens, block_n, num_q_heads, value_matrix, dtype=torch.float32,
+    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, value_matrix, dtype=torch.float32,
     pdl=False, launches=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
@@ -2405,7 +2415,7 @@ def _reduce(
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, value_matrix, num_splits,
-        NUM_Q_HEADS=num_q_heads, BLOCK_N=block_n, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
+        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,
     )
     return out

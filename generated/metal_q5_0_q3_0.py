@@ -2261,6 +2261,11 @@ def plan_decode(
     `decode(query, layer_cache, block_tables, seq_lens, plan=plan)` per layer with those same paging tensors and
     caches of one shape. dtype is the query's. No host sync."""
     _check_cache(cache)
+    return _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype)
+
+
+def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePlan:
+    """plan_decode for a cache already checked."""
     device = cache.device
     _check_paging(cache, block_tables, seq_lens)
     if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 or num_q_heads % cache.num_kv_heads:
@@ -2333,7 +2338,7 @@ def decode(
             raise ValueError(f"block_tables: expected {query.shape[0]} rows (query's batch), got {block_tables.shape[0]}")
         if query.shape[1] % cache.num_kv_heads:
             raise ValueError(f"query: num_q_heads {query.shape[1]} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
-        plan = plan_decode(cache, block_tables, seq_lens, query.shape[1], query.dtype)
+        plan = _plan_decode(cache, block_tables, seq_lens, query.shape[1], query.dtype)
     else:
         _check_plan(plan, query, cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape

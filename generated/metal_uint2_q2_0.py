@@ -25,7 +25,10 @@ per call); KVQC_TRITON_LAUNCH=1 keeps every launch on Triton's own path.
 """
 
 import functools
+import itertools
 import math
+import numbers
+import operator
 import os
 from dataclasses import dataclass
 
@@ -1244,6 +1247,11 @@ class KVCache:
     head_dim: int
     layout: str
 
+    def __post_init__(self) -> None:
+        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
+        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
+        self.head_dim = _as_int(self.head_dim)
+
     @property
     def num_blocks(self) -> int:
         return self.key_codes.shape[0]
@@ -1267,8 +1275,8 @@ class KVCache:
 
 def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
-    _check_head_dim(head_dim, "head_dim")
-    item = torch.empty((), dtype=dtype).element_size()
+    head_dim = _check_head_dim(head_dim, "head_dim")
+    item = _check_dtype(dtype).itemsize
     return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (_meta_width("key", head_dim) + _meta_width("value", head_dim))
 
 
@@ -1292,13 +1300,16 @@ def allocate_cache(
     layout: 'bhsd' (head-major blocks, the faster: decode, fill and flatten read each KV head's tokens of a block
     as one run) or 'bshd' (token-major blocks, the layout LMDeploy and vLLM give their own kernels).
     """
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    _check_head_dim(head_dim, "head_dim")
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
-    if layout not in LAYOUTS:
+    num_blocks = _check_size(num_blocks, "num_blocks")
+    block_size = _check_size(block_size, "block_size")
+    num_kv_heads = _check_size(num_kv_heads, "num_kv_heads")
+    head_dim = _check_head_dim(head_dim, "head_dim")
+    dtype = _check_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch.device or a device string like 'cuda', got {device!r:.60}") from None
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     shape = (num_blocks, num_kv_heads, block_size) if layout == "bhsd" else (num_blocks, block_size, num_kv_heads)
     return KVCache(
@@ -1446,6 +1457,7 @@ def decode(
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     _check_paging(cache, block_tables, seq_lens)
+    scale = _check_scale(scale, cache.head_dim)
     batch, num_q_heads, head_dim = query.shape
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables: expected {batch} rows (query's batch), got {block_tables.shape[0]}")
@@ -1458,8 +1470,6 @@ def decode(
         _check_block_ids(cache, block_tables, seq_lens)
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
         return torch.zeros_like(query)
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl = _dependent_launch(device)
@@ -1582,9 +1592,58 @@ def _checking(device: torch.device) -> bool:
     return DEBUG or device.type == "cpu"
 
 
-def _check_head_dim(head_dim: int, name: str) -> None:
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{name}: {SCHEME['name']} is built for head_dim in {HEAD_DIMS}, got {head_dim!r}")
+def _as_int(value):
+    """value as an int where it is an integer of another type (numpy's, a one-element integer tensor); anything else
+    (bool, float) unchanged, for the caller to refuse."""
+    if type(value) is int or isinstance(value, (bool, float)):
+        return value
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
+
+
+def _check_head_dim(head_dim, name: str) -> int:
+    """head_dim as an int; a float (hidden_size / num_heads) would turn off every comparison with tensor sizes."""
+    head_dim = _as_int(head_dim)
+    if type(head_dim) is not int or head_dim not in HEAD_DIMS:
+        hint = " (an int: use //)" if isinstance(head_dim, float) else ""
+        raise ValueError(f"{name}: {SCHEME['name']} is built for head_dim in {HEAD_DIMS}{hint}, got {head_dim!r:.60}")
+    return head_dim
+
+
+def _check_size(value, name: str) -> int:
+    """A count of blocks, slots, heads or sequences as an int from 1 to 2**31 - 1 (what an int32 index tensor
+    addresses; slot numbers, block * block_size + offset, then stay within int64)."""
+    value = _as_int(value)
+    if type(value) is not int or not 1 <= value < 1 << 31:
+        raise ValueError(f"{name}: expected an int from 1 to 2**31 - 1, got {value!r:.60}")
+    return value
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype!r:.60}")
+    return dtype
+
+
+# float32 holds scale * log2(e), the kernels' exponent factor, below this.
+_MAX_SCALE = torch.finfo(torch.float32).max / 1.4426950408889634
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    """decode's and attend's softmax scale as a float: a finite positive real number, 1 / sqrt(head_dim) if None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    value = None
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        try:
+            value = float(scale)
+        except (OverflowError, ValueError, TypeError):
+            pass
+    if value is None or not 0 < value <= _MAX_SCALE:  # NaN fails both comparisons
+        raise ValueError(f"scale: expected a finite positive number (default 1 / sqrt(head_dim)), got {scale!r:.60}")
+    return value
 
 
 def _row_strides(cache: KVCache) -> dict:
@@ -1598,24 +1657,59 @@ def _row_strides(cache: KVCache) -> dict:
 def _check_cache(cache: KVCache) -> None:
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache from this module's allocate_cache, got {type(cache).__name__}")
-    # An engine passes the same cache on every call: it is checked again only once one of its fields is another
-    # object (a tensor replaced, the layout or head_dim set). The checks cost 5-10 us of an eager call's host time.
+    # An engine passes the same cache on every call: the full check runs again only once something the kernels'
+    # addresses depend on has changed. That is every field's value and, for a tensor, its memory and layout, which
+    # .data =, resize_() and set_() change in place (a storage resized under it too), and for the channel orders
+    # the wrappers index with, their contents (the version counter of in-place writes). The comparison costs about
+    # 1 us of host time a tensor (a 2-core CPU host: 4.3 us a call for four tensors, 9.6 for a channel split's ten;
+    # comparing the field objects alone took 1.2-1.6), the full check 13-75 us.
     state = vars(cache)
-    fields = tuple(value for name, value in state.items() if name != "_checked")
-    checked = state.get("_checked")
-    if checked is not None and len(checked) == len(fields) and all(a is b for a, b in zip(checked, fields)):
-        return
-    _check_cache_fields(cache)
-    state["_checked"] = fields
+    try:
+        seen = _cache_state(state)
+    except RuntimeError:  # a tensor without ordinary memory (sparse, ...): the full check says which
+        seen = None
+    if seen is None or state.get("_checked") != seen:
+        state["_checked"] = seen if _check_cache_fields(cache) else None
 
 
-def _check_cache_fields(cache: KVCache) -> None:
-    if cache.layout not in LAYOUTS:
-        raise ValueError(f"cache.layout: expected one of {LAYOUTS}, got {cache.layout!r}")
-    if cache.device.type == "cpu" and not _INTERPRET:
-        raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
+def _cache_state(state: dict) -> tuple:
+    return tuple([
+        (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
+         value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
+        if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
+        for name, value in state.items() if name != "_checked"
+    ])
+
+
+def _contents(t: torch.Tensor) -> int:
+    # Inference-mode tensors keep no version counter (and refuse in-place writes outside inference mode).
+    return -1 if t.is_inference() else t._version
+
+
+# The cache tensors the kernels write.
+_WRITTEN = ("key_codes", "key_meta", "value_codes", "value_meta")
+
+
+def _check_cache_fields(cache: KVCache) -> bool:
+    """Refuse a cache the kernels cannot take; False where a check had to wait (CUDA graph capture)."""
     # A cache an engine assembled from its own tensors must have exactly this layout, or kernels would write
     # outside it.
+    for name in ("key_codes", "key_meta"):  # the properties (device, dtype, sizes) read these two
+        t = getattr(cache, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"cache.{name}: expected a 4-d tensor [num_blocks, ...], got {got}")
+    if cache.key_meta.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
+    if not isinstance(cache.layout, str) or cache.layout not in LAYOUTS:
+        raise ValueError(f"cache.layout: expected one of {LAYOUTS}, got {cache.layout!r:.60}")
+    device = cache.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"cache: expected tensors on a GPU (or on the CPU under TRITON_INTERPRET=1), got {device}")
+    if device.type == "cpu" and not _INTERPRET:
+        raise ValueError("cache: CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); move the cache to a GPU")
+    if type(cache.head_dim) is not int:
+        raise ValueError(f"cache.head_dim: expected an int, got {type(cache.head_dim).__name__} {cache.head_dim!r:.60}; pass an int (KVCache converts numpy integers)")
     _check_head_dim(cache.head_dim, "cache.head_dim")
     rows = tuple(cache.key_codes.shape[:3])
     for name, dtype, last in (
@@ -1628,10 +1722,25 @@ def _check_cache_fields(cache: KVCache) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != rows + (last,):
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"cache.{name}: expected shape {list(rows + (last,))}, got {got}")
-        if t.dtype != dtype or t.device != cache.device or not t.is_contiguous():
-            raise ValueError(f"cache.{name}: expected a contiguous {dtype} tensor on {cache.device}")
-    if cache.key_meta.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"cache.key_meta: expected dtype in {_FLOAT_DTYPES}, got {cache.key_meta.dtype}")
+        if t.dtype != dtype or t.device != device or t.layout != torch.strided or not t.is_contiguous():
+            raise ValueError(f"cache.{name}: expected a contiguous {dtype} tensor on {device}")
+    # The kernels write each tensor through its address: all of it must lie in its storage (a storage resized
+    # under a tensor keeps the tensor's shape), and no two may share bytes.
+    spans = sorted((*_check_memory(name, getattr(cache, name)), name) for name in _WRITTEN)
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"cache.{second}: shares memory with cache.{first}; give each cache tensor its own")
+    return True
+
+
+def _check_memory(name: str, t: torch.Tensor) -> tuple:
+    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
+    item = t.element_size()
+    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
+    held = t.untyped_storage().nbytes() - t.storage_offset() * item
+    if span > held:
+        raise ValueError(f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the tensor's start (resized or replaced under it); use a tensor that owns its memory")
+    return t.data_ptr(), t.data_ptr() + span
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
@@ -1710,15 +1819,18 @@ def attend(
     total_q, num_q_heads, head_dim = query.shape
     if num_q_heads % cache.num_kv_heads:
         raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of the cache's {cache.num_kv_heads} KV heads")
+    scale = _check_scale(scale, head_dim)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    capacity = block_tables.shape[1] * cache.block_size
+    for i, n in enumerate(lens):  # before query_start_loc's checks, which compare with these
+        if not 0 <= n <= capacity:
+            raise ValueError(f"seq_lens: entry {i} is {n}, expected 0..{capacity} (block_tables columns * block_size)")
     if starts[0] != 0 or starts[-1] != total_q or any(b < a for a, b in zip(starts, starts[1:])):
         raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to {total_q} (query's rows), got {starts}")
     for i, n in enumerate(lens):
         if starts[i + 1] - starts[i] > n:
             raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
     key, value = flatten(cache, block_tables, seq_lens)
     out = torch.zeros_like(query)
     kv_start = 0

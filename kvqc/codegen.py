@@ -1,7 +1,8 @@
 """Render: a Layout becomes the source of one self-contained module of Triton kernels.
 
-Only numbers, dtypes and validated identifiers reach the source; the scheme's free text (its description) never
-does. The same scheme gives byte-identical output on every run, and files are replaced atomically.
+Only numbers, dtypes and validated identifiers reach the source, and the scheme file's folder and name one header
+comment, escaped; the scheme's free text (its description) never does. The same scheme file gives byte-identical
+output on every run, and files are replaced atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jinja2
 
 from . import __version__, rotation
 from .layout import Layout, SideLayout, plan
-from .spec import Scheme
+from .spec import Scheme, printable
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -100,6 +101,26 @@ def decode_tuning(name: str) -> dict:
             "fill_registers": fill_registers, "fill_programs": int(fill_programs)}
 
 
+def origin(scheme: Scheme) -> str | None:
+    """The scheme's file as its module's header records it: the file's folder and name (`schemes/x.yaml`), the
+    same from any working directory or checkout, escaped so that no file name can end the comment's line; None
+    for a scheme that came from no file."""
+    if scheme.source.startswith("<"):
+        return None
+    path = Path(os.path.abspath(scheme.source))
+    return printable(f"{path.parent.name}/{path.name}" if path.parent.name else path.name)
+
+
+ORIGIN_RE = re.compile(r"# Scheme file: `(.*)` \(")
+
+
+def recorded_origin(module_source: str) -> str | None:
+    """The scheme file a generated module's header records (see `origin`); None where it records none."""
+    lines = module_source.split("\n", 2)
+    match = ORIGIN_RE.match(lines[1]) if len(lines) > 1 else None
+    return match.group(1) if match else None
+
+
 def render(scheme: Scheme) -> str:
     layout: Layout = plan(scheme)
     data = scheme.to_dict()
@@ -107,6 +128,7 @@ def render(scheme: Scheme) -> str:
     source = _environment().get_template("module.py.j2").render(
         version=__version__,
         scheme=scheme,
+        origin=origin(scheme),
         layout=layout,
         scheme_literal=pprint.pformat(data, width=100, sort_dicts=True),
         floats=_floats,

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from .files import read_regular
 from .spec import NAME_RE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,8 +93,8 @@ def _render(path: Path) -> Path:
     digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:12]
     target = cache_dir() / f"{scheme.name}-{digest}.py"
     try:
-        current = target.read_text(encoding="utf-8") if target.is_file() else None
-    except OSError:
+        current = read_regular(target, 2 * len(source)).decode("utf-8")
+    except (OSError, UnicodeDecodeError):  # absent, unreadable, or not a regular file: written afresh
         current = None
     if current != source:
         write_atomic(target, source)

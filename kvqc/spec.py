@@ -13,8 +13,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import keyword
 import math
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import yaml
 
 from . import rotation
+from .files import read_regular
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 * 1024
@@ -30,6 +33,20 @@ DEFAULT_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_WINDOW = 4096
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,62}\Z")
+# A scheme named like an importable module builds <name>.py, which that file's folder then imports in its place
+# (`import torch` run from generated/ would get the module built from a scheme named torch). The standard library
+# of this Python and of those before and after it (so that a scheme is valid on all of them), the packages kvqc and
+# the engines it serves import, and files Python or pytest run by name.
+SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | frozenset(
+    """
+    aifc asynchat asyncore audioop cgi cgitb chunk crypt distutils imghdr imp lib2to3 mailcap msilib nis nntplib
+    ossaudiodev pipes smtpd sndhdr spwd sunau telnetlib uu xdrlib
+    torch triton numpy kvqc generated jinja2 markupsafe yaml hypothesis pytest transformers vllm lmdeploy
+    safetensors tokenizers huggingface_hub accelerate datasets scipy sympy networkx filelock fsspec packaging
+    setuptools pip wheel tqdm regex pandas matplotlib flash_attn xformers
+    conftest setup sitecustomize usercustomize
+    """.split()
+)
 
 
 class SchemeError(ValueError):
@@ -37,7 +54,16 @@ class SchemeError(ValueError):
 
     def __init__(self, source: str, field: str, message: str):
         self.source, self.field, self.message = source, field, message
-        super().__init__(f"{source}: {field}: {message}" if field else f"{source}: {message}")
+        # One line on a terminal whatever a file name or a YAML problem holds (a newline, an escape sequence).
+        super().__init__(printable(f"{source}: {field}: {message}" if field else f"{source}: {message}"))
+
+
+def printable(text: str) -> str:
+    """text with every character a terminal would act on (controls, escapes, line and paragraph separators, bidi
+    overrides, lone surrogates) written as a Python escape: what is shown is what is there, on one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
 
 
 @dataclass(frozen=True)
@@ -508,6 +534,10 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
     name = f.data.get("name", default_name)
     if not isinstance(name, str) or not NAME_RE.match(name):
         f.fail("name", f"expected a lowercase identifier like turbo_k4v2 ([a-z][a-z0-9_]*), got {_show(name)}")
+    if keyword.iskeyword(name):
+        f.fail("name", f"'{name}' is a Python keyword, so {name}.py cannot be imported by name; choose another name, e.g. {name}_kv")
+    if name in SHADOWED_MODULES:
+        f.fail("name", f"'{name}' would build {name}.py, which code run from its folder imports in place of the module {name}; choose another name, e.g. {name}_kv")
     description = f.data.get("description", "")
     if not isinstance(description, str) or len(description) > 2000:
         f.fail("description", "expected a string of at most 2000 characters")
@@ -635,9 +665,11 @@ def load_scheme(path: str | Path) -> Scheme:
     path = Path(path)
     source = str(path)
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, MAX_FILE_BYTES)
     except OSError as exc:
         raise SchemeError(source, "", f"cannot read file ({exc.strerror or exc})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise SchemeError(source, "", f"file is larger than {MAX_FILE_BYTES} bytes; a scheme is a short file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

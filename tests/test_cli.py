@@ -15,9 +15,11 @@ import io
 import itertools
 import os
 import re
+import json
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import kvqc
-from kvqc import codegen
+from kvqc import codegen, files, spec
 from kvqc.cli import main
 from kvqc.spec import MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme
 
@@ -132,7 +134,8 @@ _NARROW_CHUNKS = re.compile(r"(key|value)'s [1-8]-bit codes need head_dim >= (?:
 def check_build(scheme_path: Path, out_dir: Path, *, sections: set[str] | None = None) -> bool:
     """Build one file into out_dir, which holds a module that must survive a failure; True if it built."""
     before = snapshot(out_dir)
-    status, out, err = run("build", str(scheme_path), "--out", str(out_dir))
+    # --force: out_dir's module may come from the shipped file; what is checked here is the scheme's validation.
+    status, out, err = run("build", str(scheme_path), "--out", str(out_dir), "--force")
     if status != 0:
         line = assert_clean_failure(status, out, err, scheme_path)
         assert snapshot(out_dir) == before, "a failed build changed --out"
@@ -246,7 +249,8 @@ def test_check_reports_stale_and_missing_modules(tmp_path):
     # A comment changes nothing; a scheme edit makes the module stale; rebuilding makes it current again.
     fresh = tmp_path / "fresh"
     assert run("build", str(k4v2), "--out", str(fresh))[0] == 0
-    edited = tmp_path / "turbo_k4v2.yaml"
+    edited = tmp_path / "schemes" / "turbo_k4v2.yaml"  # the module records the file's folder and name
+    edited.parent.mkdir()
     edited.write_text(BASE_TEXT["turbo_k4v2"] + "# a comment changes nothing\n")
     assert run("build", "--check", str(edited), "--out", str(fresh)) == (0, "", "")
     edited.write_text(BASE_TEXT["turbo_k4v2"].replace("head_dims: [64, 128, 256]", "head_dims: [128]"))
@@ -424,9 +428,11 @@ def test_injection_in_description_never_reaches_the_source(tmp_path, payload):
     assert check_build(path, tmp_path / "out")
     source = (tmp_path / "out" / "turbo_qjl_k3v3.py").read_text()
     assert all(marker not in source for marker in MARKERS)
-    # The module does not depend on the description: it is the shipped scheme's but for the hash in its header.
+    # The module does not depend on the description: it is the shipped scheme's but for the hash and the file name
+    # in its header.
     shipped = load_scheme(SCHEME_DIR / "turbo_qjl_k3v3.yaml")
-    assert source == codegen.render(shipped).replace(shipped.content_hash, load_scheme(path).content_hash)
+    expected = codegen.render(shipped).replace(shipped.content_hash, load_scheme(path).content_hash)
+    assert source == expected.replace("`schemes/turbo_qjl_k3v3.yaml`", f"`{path.parent.name}/inj.yaml`", 1)
 
 
 @pytest.mark.parametrize("field", ["key.codebook.law", "key.scale", "value.rotation", "key.residual", "value.packing", "head_dims"])
@@ -819,3 +825,136 @@ def test_fixed_bug_explain_surrogate_description(tmp_path):
     stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # a real stdout, which cannot encode a surrogate
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
         assert main(["explain", str(path)]) in (0, 2)
+
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files that are not regular files, what reaches a terminal, modules that would be replaced
+
+
+@contextlib.contextmanager
+def fifo_writer(path: Path):
+    """A FIFO at `path` whose writer comes and goes at once whenever a reader waits: a reader that opened it
+    (instead of refusing it) reads nothing and goes on, rather than hanging the test."""
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def write():
+        while not done.wait(0.05):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: no reader yet
+                pass
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        done.set()
+        thread.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_schemes_that_are_not_regular_files_are_refused(tmp_path, monkeypatch):
+    """A FIFO waits for a writer and a device may never end (/dev/zero): refused before they are read."""
+    out = tmp_path / "out"
+    with fifo_writer(tmp_path / "fifo.yaml") as fifo:
+        for path, kind in ((fifo, "a FIFO"), (Path(os.devnull), "a character device"), (tmp_path, "a directory")):
+            line = assert_clean_failure(*run("build", str(path), "--out", str(out)), path)
+            assert line == f"kvqc: {path}: cannot read file (not a regular file: {kind})"
+        (tmp_path / "schemes").mkdir()
+        os.symlink(fifo, tmp_path / "schemes" / "linked.yaml")  # a link is followed to what it names
+        monkeypatch.chdir(tmp_path)
+        line = assert_clean_failure(*run("build", "--check"), "schemes/linked.yaml")
+        assert line.endswith("not a regular file: a FIFO)")
+    assert not out.exists()
+
+
+def test_large_scheme_files_are_read_only_up_to_the_limit(tmp_path, monkeypatch):
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"#" * (4 * MAX_FILE_BYTES))
+    sizes = []
+    real = files.read_regular
+    monkeypatch.setattr(spec, "read_regular", lambda p, limit: sizes.append(len(data := real(p, limit))) or data)
+    line = assert_clean_failure(*run("build", str(path), "--out", str(tmp_path / "out")), path)
+    assert line.endswith(f"file is larger than {MAX_FILE_BYTES} bytes; a scheme is a short file")
+    assert sizes == [MAX_FILE_BYTES + 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_output_that_is_not_a_regular_file_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with fifo_writer(out / "int8_token.py") as fifo:
+        scheme = SCHEME_DIR / "int8_token.yaml"
+        for command in (["build"], ["build", "--check"], ["build", "--force"]):
+            line = assert_clean_failure(*run(*command, str(scheme), "--out", str(out)), fifo)
+            assert line == f"kvqc: {fifo}: not a regular file: a FIFO; remove it or choose another --out"
+    assert os.listdir(out) == ["int8_token.py"] and (out / "int8_token.py").is_fifo()
+
+
+def test_file_names_are_shown_on_one_line(tmp_path):
+    path = tmp_path / "bad\nname\x1b[2J.yaml"
+    path.write_text(BASE_TEXT["int8_token"].replace("bits: 8}", "bits: 9}", 1))
+    status, out, err = run("build", str(path), "--out", str(tmp_path / "out"))
+    shown = str(path).replace("\n", "\\n").replace("\x1b", "\\x1b")
+    assert assert_clean_failure(status, out, err, shown) == f"kvqc: {shown}: key.codebook.bits: expected an integer 1..8, got 9"
+    good = tmp_path / "good\rname.yaml"
+    good.write_text(BASE_TEXT["int8_token"])
+    status, out, err = run("build", str(good), "--out", str(tmp_path / "out"))
+    assert (status, err) == (0, "") and out == f"{tmp_path}/good\\rname.yaml -> {tmp_path / 'out' / 'int8_token.py'}\n"
+
+
+def test_explain_writes_out_control_characters(tmp_path, capsys):
+    """A scheme from the internet must not retitle, clear or rewrite the reader's terminal through its description."""
+    path = tmp_path / "int8_token.yaml"
+    description = "a \x1b]0;title\x07 b \x1b[2J c \x9b31m d \u202egnp.exe e \x00 f"
+    path.write_text(BASE_TEXT["int8_token"].replace("description: Per-token", f"description: {json.dumps(description)} #", 1))
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert all(c.isprintable() for line in out.splitlines() for c in line), out
+    assert out.splitlines()[0] == "int8_token: a \\x1b]0;title\\x07 b \\x1b[2J c \\x9b31m d \\u202egnp.exe e \\x00 f"
+
+
+def test_explain_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`kvqc explain x | head -1`: the reader leaves early; kvqc stops without a message, status 141 like git."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvqc.cli", "explain", "turbo_k4v2"], cwd=ROOT, env=env,
+                              stdout=write, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, b"")
+
+
+def test_a_copied_scheme_does_not_replace_the_shipped_module(tmp_path):
+    """A copy of a shipped scheme keeps its `name:`: building it would silently replace the shipped module."""
+    out = tmp_path / "out"
+    shipped = SCHEME_DIR / "int8_token.yaml"
+    assert run("build", str(shipped), "--out", str(out))[0] == 0
+    copy_path = tmp_path / "my_copy.yaml"
+    copy_path.write_text(BASE_TEXT["int8_token"].replace("description: Per-token", "description: mine #", 1))
+    before = snapshot(out)
+    line = assert_clean_failure(*run("build", str(copy_path), "--out", str(out)), copy_path)
+    assert line == (
+        f"kvqc: {copy_path}: name: 'int8_token' would replace {out / 'int8_token.py'}, built from "
+        "schemes/int8_token.yaml; give this scheme another name, or pass --force to replace it"
+    )
+    assert snapshot(out) == before
+    assert run("build", "--check", str(copy_path), "--out", str(out))[0] == 1  # --check writes nothing anyway
+    status, stdout, err = run("build", str(copy_path), "--out", str(out), "--force")
+    assert (status, err) == (0, "") and codegen.recorded_origin((out / "int8_token.py").read_text()) == f"{tmp_path.name}/my_copy.yaml"
+    # The shipped file itself, edited in place, rebuilds its own module freely.
+    edited = tmp_path / "schemes" / "int8_token.yaml"
+    edited.parent.mkdir()
+    edited.write_text(BASE_TEXT["int8_token"])
+    assert run("build", str(edited), "--out", str(out), "--force")[0] == 0
+    edited.write_text(BASE_TEXT["int8_token"].replace("description: Per-token", "description: edited #", 1))
+    assert run("build", str(edited), "--out", str(out)) == (0, f"{edited} -> {out / 'int8_token.py'}\n", "")
+    # A file there that kvqc did not write is not replaced either.
+    (out / "int8_token.py").write_text("x = 1\n")
+    line = assert_clean_failure(*run("build", str(edited), "--out", str(out)), edited)
+    assert "which kvqc did not generate; change name, choose another --out, or pass --force to replace it" in line

@@ -135,7 +135,7 @@ def no_launches(monkeypatch, m):
 
 ARG_NAMES = (
     "cache", "key", "value", "slot_mapping", "query", "block_tables", "seq_lens",
-    "head_dim", "num_blocks", "block_size", "num_kv_heads", "dtype",
+    "head_dim", "num_blocks", "block_size", "num_kv_heads", "dtype", "scale", "query_start_loc", "device",
 )
 
 
@@ -173,7 +173,12 @@ def _flatten(m, c, **kw):
 
 def _decode(m, c, **kw):
     a = _ok() | kw
-    m.decode(a["query"], a.pop("cache", c), a["block_tables"], a["seq_lens"])
+    m.decode(a["query"], a.pop("cache", c), a["block_tables"], a["seq_lens"], scale=a.get("scale"))
+
+
+def _attend(m, c, **kw):
+    a = _ok() | dict(query=randn(3, 2 * H1, D, seed=4).to(DEVICE), query_start_loc=i32([0, 2, 3])) | kw
+    m.attend(a["query"], a.pop("cache", c), a["block_tables"], a["seq_lens"], a["query_start_loc"], scale=a.get("scale"))
 
 
 def _transposed(*shape):  # the right shape, but the last dimension has stride != 1
@@ -257,6 +262,21 @@ VALIDATION = [
     ("allocate-num-kv-heads-bool", "num_kv_heads", lambda m, c: m.allocate_cache(1, 1, True, D, device=DEVICE), False),
     ("allocate-dtype", "dtype", lambda m, c: m.allocate_cache(1, 1, 1, D, device=DEVICE, dtype=torch.int8), False),
     ("bytes-per-token-head-dim", "head_dim", lambda m, c: m.bytes_per_token(48), False),
+    # Values of the right type but no meaning: refused by value, before any launch.
+    ("allocate-head-dim-float", "head_dim", lambda m, c: m.allocate_cache(1, 1, 1, float(D), device=DEVICE), False),
+    ("bytes-per-token-head-dim-float", "head_dim", lambda m, c: m.bytes_per_token(float(D)), False),
+    ("bytes-per-token-dtype", "dtype", lambda m, c: m.bytes_per_token(D, dtype="float16"), False),
+    ("allocate-num-blocks-huge", "num_blocks", lambda m, c: m.allocate_cache(1 << 40, 1, 1, D, device=DEVICE), False),
+    ("allocate-device", "device", lambda m, c: m.allocate_cache(1, 1, 1, D, device="gpu0"), False),
+    ("decode-cache-head-dim-float", "cache", lambda m, c: _decode(m, dataclasses.replace(c, head_dim=float(D))), False),
+    ("decode-scale-nan", "scale", lambda m, c: _decode(m, c, scale=NAN), False),
+    ("decode-scale-inf", "scale", lambda m, c: _decode(m, c, scale=INF), False),
+    ("decode-scale-zero", "scale", lambda m, c: _decode(m, c, scale=0.0), False),
+    ("decode-scale-negative", "scale", lambda m, c: _decode(m, c, scale=-0.1), False),
+    ("decode-scale-str", "scale", lambda m, c: _decode(m, c, scale="0.1"), False),
+    ("decode-scale-bool", "scale", lambda m, c: _decode(m, c, scale=True), False),
+    ("attend-scale-nan", "scale", lambda m, c: _attend(m, c, scale=NAN), False),
+    ("attend-seq-lens-negative", "seq_lens", lambda m, c: _attend(m, c, seq_lens=i32([6, -1])), False),
 ]
 
 
@@ -930,6 +950,78 @@ def test_assembled_cache_with_wrong_layout_is_refused(name):
             m.decode(key[:1], good, tables, lens)
         setattr(good, attr, original)
     m.fill(good, key, key, slots)
+
+
+def _resize_storage(t):
+    t.untyped_storage().resize_(t.untyped_storage().nbytes() // 2)
+
+
+# A tensor keeps its Python object while its memory changes under it: each of these after a passing call.
+IN_PLACE = {
+    ".data": lambda t: setattr(t, "data", t.new_zeros(1, *t.shape[1:])),
+    "resize_": lambda t: t.resize_(1, *t.shape[1:]),
+    "set_": lambda t: t.set_(t.new_zeros(1, *t.shape[1:])),
+    "storage-resize_": _resize_storage,
+    "as_strided_": lambda t: t.as_strided_((t.shape[0], *t.shape[1:]), (0, *t.stride()[1:])),
+}
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("change", IN_PLACE, ids=list(IN_PLACE))
+def test_memory_changed_in_place_is_refused(name, change, monkeypatch):
+    """The check that a cache passed once is repeated when a tensor's memory or layout changes in place, not only
+    when a field becomes another object: the next fill must not write past the end of value_codes."""
+    m = generated(name)
+    cache = m.allocate_cache(4, 4, 1, D, device=DEVICE)
+    key, slots = randn(1, 1, D, seed=5).to(DEVICE), t64([15])
+    m.fill(cache, key, key, slots)
+    IN_PLACE[change](cache.value_codes)
+    no_launches(monkeypatch, m)
+    with pytest.raises(ValueError, match=r"^cache\.value_codes: "):
+        m.fill(cache, key, key, slots)
+
+
+@pytest.mark.parametrize("name", SCHEMES[:1])
+def test_head_dim_of_another_integer_type(name):
+    """numpy integers (a model config's arithmetic) become ints; a float head_dim is refused, never compared as
+    a float with tensor sizes (where the comparison used to be skipped)."""
+    np = pytest.importorskip("numpy")
+    m = generated(name)
+    cache = m.allocate_cache(np.int64(2), np.int32(4), np.int64(1), np.int64(D), device=DEVICE)
+    assert type(cache.head_dim) is int and cache.num_blocks == 2
+    assert m.bytes_per_token(np.int64(D)) == m.bytes_per_token(D)
+    assembled = m.KVCache(cache.key_codes, cache.key_meta, cache.value_codes, cache.value_meta, np.int64(D), "bhsd")
+    assert type(assembled.head_dim) is int
+    query, tables, lens = randn(1, 1, 2 * D, seed=6).to(DEVICE), i32([[0]]), i32([1])
+    for bad in (float(D // 2), np.float64(D // 2), True):
+        with pytest.raises(ValueError, match=r"^cache\.head_dim: expected an int"):
+            m.decode(query, dataclasses.replace(cache, head_dim=bad), tables, lens)
+    m.decode(query[..., :D], cache, tables, lens)
+    cache.head_dim = np.int64(D // 2)  # set after a passing call: checked again
+    with pytest.raises(ValueError, match=r"^cache\.head_dim: expected an int"):
+        m.decode(query[..., : D // 2], cache, tables, lens)
+
+
+@pytest.mark.parametrize("name", SCHEMES[:1])
+def test_cache_tensors_without_their_own_memory_are_refused(name):
+    """Two cache tensors over the same bytes, a broadcast (stride 0) tensor, a sparse one, one with no memory."""
+    m = generated(name)
+    c = m.allocate_cache(2, 4, 1, D, device=DEVICE)
+    key, slots = randn(1, 1, D, seed=7).to(DEVICE), t64([0])
+    # One pool under both code tensors, each from byte 0 (an engine carving regions with a wrong offset).
+    pool = torch.zeros(max(c.key_codes.numel(), c.value_codes.numel()), dtype=torch.uint8, device=DEVICE)
+    shared = dataclasses.replace(
+        c, key_codes=pool[: c.key_codes.numel()].view(c.key_codes.shape), value_codes=pool[: c.value_codes.numel()].view(c.value_codes.shape)
+    )
+    cases = [
+        ("cache.value_codes: shares memory with cache.key_codes", shared),
+        ("cache.value_meta: expected a contiguous", dataclasses.replace(c, value_meta=c.value_meta[:1].expand(c.value_meta.shape))),
+        ("cache.value_codes: expected a contiguous", dataclasses.replace(c, value_codes=c.value_codes.to_sparse())),
+        ("cache: expected tensors on a GPU", m.KVCache(*(t.to("meta") for t in (c.key_codes, c.key_meta, c.value_codes, c.value_meta)), D, "bhsd")),
+    ]
+    for message, cache in cases:
+        with pytest.raises(ValueError, match=message):
+            m.fill(cache, key, key, slots)
 
 
 @pytest.mark.parametrize("name", ALL_SCHEMES)

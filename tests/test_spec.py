@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import keyword
 import math
 from pathlib import Path
 
@@ -571,7 +572,8 @@ def _allows(tensor: dict, d: int) -> bool:
 
 @st.composite
 def scheme_specs(draw):
-    data: dict = {"version": 1, "name": draw(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True))}
+    name = st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True).filter(lambda n: n not in spec.SHADOWED_MODULES and not keyword.iskeyword(n))
+    data: dict = {"version": 1, "name": draw(name)}
     if draw(st.booleans()):
         data["description"] = draw(st.text(max_size=60))
     data["key"], data["value"] = draw(tensor_specs()), draw(tensor_specs())
@@ -760,3 +762,33 @@ def test_huge_int_centroid_is_a_clean_error(tmp_path):
     text = (SCHEME_DIR / "turbo_k4v2.yaml").read_text().replace("2.1519456]", "1" + "0" * 400 + "]", 1)
     exc = _refused(_write(tmp_path, text))
     assert exc.field == "key.codebook.centroids"
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "os", "kvqc", "generated", "numpy", "yaml", "sitecustomize", "distutils"])
+def test_names_that_shadow_modules_are_refused(name):
+    """generated/<name>.py would be imported in place of the module by code run from generated/."""
+    data = copy.deepcopy(BASE["int8_token"]) | {"name": name}
+    with pytest.raises(SchemeError) as info:
+        scheme_from_dict(data, "x.yaml")
+    assert info.value.field == "name"
+    assert str(info.value) == (
+        f"x.yaml: name: '{name}' would build {name}.py, which code run from its folder imports in place of the module "
+        f"{name}; choose another name, e.g. {name}_kv"
+    )
+
+
+@pytest.mark.parametrize("name", ["class", "import", "def", "lambda", "if"])
+def test_keyword_names_are_refused(name):
+    data = copy.deepcopy(BASE["int8_token"]) | {"name": name}
+    with pytest.raises(SchemeError, match=rf"^x\.yaml: name: '{name}' is a Python keyword, so {name}\.py cannot be imported by name; choose another name, e\.g\. {name}_kv$"):
+        scheme_from_dict(data, "x.yaml")
+
+
+def test_a_file_named_like_a_module_needs_a_name(tmp_path):
+    """Without `name:`, the file's stem names the scheme: os.yaml would build os.py."""
+    data = copy.deepcopy(BASE["int8_token"])
+    del data["name"]
+    path = tmp_path / "os.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SchemeError, match=r"name: 'os' would build os\.py"):
+        load_scheme(path)

@@ -2,6 +2,7 @@
 quality the split buys on keys with outlier channels. Kernel-against-reference checks of every split scheme run in
 test_kernels.py (shipped ones in test_kernels_match_reference, test-only ones in test_other_branches)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -223,3 +224,39 @@ def test_a_nan_coordinate_stays_in_its_token(name):
     others = torch.ones_like(finite)
     others[position] = False
     assert finite[others].all()
+
+
+def _swap_in(order: torch.Tensor, head: int, at: int, channel: int) -> torch.Tensor:
+    order = order.clone()
+    order[head, at] = channel
+    return order
+
+
+@pytest.mark.parametrize("name", SPLIT_SCHEMES)
+def test_channel_orders_must_be_permutations(name):
+    """A channel order that repeats a channel (flatten would return unwritten memory) or names one out of range
+    (gather fails inside torch) is refused as a ValueError naming the field, whether it is assigned or edited in
+    place after a passing call."""
+    m = generated(name)
+    d = m.HEAD_DIMS[0]
+    cache, slots, block_tables, seq_lens = small_cache(m, d)
+    k = outlier_keys(len(slots), 2, d, 0).to(DEVICE)
+    m.calibrate(cache, k, k)
+    m.fill(cache, k, k, slots)
+    good = cache.key_channels
+    bad = {
+        "repeated": _swap_in(good, 1, 0, int(good[1, 1])),
+        "too large": _swap_in(good, 0, 3, d),
+        "negative": _swap_in(good, 1, 5, -1),
+    }
+    for what, order in bad.items():
+        cache.key_channels = order
+        with pytest.raises(ValueError, match=r"^cache\.key_channels: row [01] is not a permutation"):
+            m.flatten(cache, block_tables, seq_lens)
+    cache.key_channels = good
+    m.flatten(cache, block_tables, seq_lens)
+    good[0, 0], good[0, 1] = good[0, 1].clone(), good[0, 1].clone()  # in place: a repeated channel
+    with pytest.raises(ValueError, match=r"^cache\.key_channels: row 0 is not a permutation"):
+        m.decode(torch.zeros(1, 2, d, device=DEVICE), cache, block_tables, seq_lens)
+    with pytest.raises(ValueError, match=r"^cache\.value_channels: expected an int64 tensor"):
+        m.fill(dataclasses.replace(cache, key_channels=cache.value_channels, value_channels=cache.value_channels.int()), k, k, slots)

@@ -49,6 +49,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import triton
+import triton.language as tl
 
 from . import paged, rotation
 
@@ -78,32 +80,65 @@ def slot_mapping(
     kv_seq_length[i] - q_seq_length[i] .. kv_seq_length[i] - 1 of the sequence; position p lives in block
     block_offsets[i, p // block_size] at offset p % block_size. Rows no sequence claims get -1, and a row several
     entries claim belongs to the first of them: LMDeploy pads a CUDA-graph batch with entries whose token is row 0
-    and whose blocks are all block 0, and those must write nothing.
+    and whose blocks are all block 0, and those must write nothing. One kernel after the -1 fill: a decode step
+    runs this once per layer.
     """
     device = block_offsets.device
-    width = block_offsets.shape[1]
-    j = torch.arange(max(int(max_q_seq_length), 0), device=device)[None, :]
-    q_len = q_seq_length.to(device=device, dtype=torch.int64)[:, None]
-    position = kv_seq_length.to(device=device, dtype=torch.int64)[:, None] - q_len + j
-    row = q_start_loc.to(device=device, dtype=torch.int64)[:, None] + j
-    wanted = (j < q_len) & (position >= 0)
-    column = torch.div(position, block_size, rounding_mode="floor")
-    if paged.checking(device) and bool((wanted & (column >= width)).any()):
-        seq = int((wanted & (column >= width)).any(1).nonzero()[0])
-        raise ValueError(f"block_offsets: sequence {seq} reaches past its {width} columns (kv_seq_length too large?)")
-    if paged.checking(device) and bool((wanted & ((row < 0) | (row >= num_tokens))).any()):
-        raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
-    valid = wanted & (column < width) & (row >= 0) & (row < num_tokens)
-    target = torch.where(valid, row, num_tokens).reshape(-1)  # row num_tokens: a sink for entries that write nothing
-    entry = torch.arange(valid.shape[0], device=device)[:, None].expand(valid.shape).reshape(-1)
-    owner = torch.full((num_tokens + 1,), valid.shape[0], dtype=torch.int64, device=device)
-    owner.scatter_reduce_(0, target, entry, reduce="amin")
-    valid = valid & (owner[target].view(valid.shape) == entry.view(valid.shape))
-    block = block_offsets.to(torch.int64).gather(1, column.clamp(0, max(width - 1, 0)))
-    slot = torch.where(valid, block * block_size + position % block_size, -1)
-    out = torch.full((num_tokens + 1,), -1, dtype=torch.int64, device=device)
-    out.scatter_(0, torch.where(valid, row, num_tokens).reshape(-1), slot.reshape(-1))
-    return out[:num_tokens]
+    batch, width = block_offsets.shape
+    if paged.checking(device) and batch:
+        q_len = q_seq_length.to(torch.int64)
+        position = kv_seq_length.to(torch.int64) - 1  # each sequence's last new token reaches furthest
+        past = (q_len > 0) & (position >= 0) & (torch.div(position, block_size, rounding_mode="floor") >= width)
+        if bool(past.any()):
+            seq = int(past.nonzero()[0])
+            raise ValueError(f"block_offsets: sequence {seq} reaches past its {width} columns (kv_seq_length too large?)")
+        start = q_start_loc.to(torch.int64)
+        if bool(((q_len > 0) & ((start < 0) | (start + q_len > num_tokens))).any()):
+            raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
+    return _slots(num_tokens, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length, block_offsets, block_size)
+
+
+def _slots(num_tokens: int, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length: int, block_offsets,
+           block_size: int) -> torch.Tensor:
+    """slot_mapping's kernel launch, for arguments already checked (or out of range on purpose: it masks them)."""
+    batch, width = block_offsets.shape
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=block_offsets.device)
+    if batch and num_tokens:
+        tokens = min(128, max(16, 1 << (max(int(max_q_seq_length), 1) - 1).bit_length()))
+        _slot_mapping_kernel[(batch,)](
+            slots, q_start_loc, q_seq_length, kv_seq_length, block_offsets, num_tokens, width,
+            block_offsets.stride(0), BLOCK_SIZE=block_size, TOKENS=tokens, ENTRIES=64,
+        )
+    return slots
+
+
+@triton.jit
+def _slot_mapping_kernel(slots_ptr, q_start_ptr, q_len_ptr, kv_len_ptr, block_offsets_ptr, num_tokens, width,
+                         stride_block_offsets, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+                         ENTRIES: tl.constexpr):
+    """Entry i's slots, TOKENS rows at a time; a row an earlier entry (ENTRIES at a time) also claims is skipped."""
+    i = tl.program_id(0)
+    start = tl.load(q_start_ptr + i).to(tl.int64)
+    q_len = tl.load(q_len_ptr + i).to(tl.int64)
+    kv_len = tl.load(kv_len_ptr + i).to(tl.int64)
+    for first in range(0, q_len, TOKENS):
+        t = first + tl.arange(0, TOKENS)
+        row = start + t
+        position = kv_len - q_len + t
+        column = position // BLOCK_SIZE
+        ok = (t < q_len) & (position >= 0) & (column < width) & (row >= 0) & (row < num_tokens)
+        taken = tl.zeros([TOKENS], dtype=tl.int32)
+        for j0 in range(0, i, ENTRIES):
+            j = j0 + tl.arange(0, ENTRIES)
+            earlier = j < i
+            other_start = tl.load(q_start_ptr + j, mask=earlier, other=0).to(tl.int64)
+            other_len = tl.load(q_len_ptr + j, mask=earlier, other=0).to(tl.int64)
+            end = (other_start + other_len)[None, :]
+            hit = earlier[None, :] & (other_start[None, :] <= row[:, None]) & (row[:, None] < end)
+            taken = tl.maximum(taken, tl.max(hit.to(tl.int32), axis=1))
+        ok = ok & (taken == 0)
+        block = tl.load(block_offsets_ptr + i * stride_block_offsets + column, mask=ok, other=0).to(tl.int64)
+        tl.store(slots_ptr + row, block * BLOCK_SIZE + position % BLOCK_SIZE, mask=ok)
 
 
 @functools.lru_cache(maxsize=None)

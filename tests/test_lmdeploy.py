@@ -166,6 +166,29 @@ def test_cuda_graph_padding_writes_nothing():
         assert slots.tolist() == [5 * 4 + 1, 1 * 4 + 2, -1, -1]
 
 
+def test_slot_mapping_follows_the_first_claimant_rule():
+    """Random entries, some overlapping, some out of range: each row goes to the first entry whose rows include it,
+    and is written only where that entry's token has a position, a block column and a row inside the states."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        batch, width, block_size, num_tokens = 7, 3, 4, 12
+        starts = torch.randint(-1, num_tokens, (batch,), generator=gen)
+        q_lens = torch.randint(0, 4, (batch,), generator=gen)
+        kv_lens = q_lens + torch.randint(-1, 10, (batch,), generator=gen)
+        offsets = torch.randint(0, 50, (batch, width), generator=gen, dtype=torch.int32)
+        want, claimed = [-1] * num_tokens, set()
+        for i in range(batch):
+            rows = [int(starts[i]) + t for t in range(int(q_lens[i]))]
+            for t, row in enumerate(rows):
+                position = int(kv_lens[i]) - int(q_lens[i]) + t
+                if row in claimed or not 0 <= row < num_tokens or position < 0 or position // block_size >= width:
+                    continue
+                want[row] = int(offsets[i, position // block_size]) * block_size + position % block_size
+            claimed.update(rows)
+        got = kl._slots(num_tokens, starts, q_lens, kv_lens, 4, offsets, block_size)  # past slot_mapping's checks
+        assert got.tolist() == want
+
+
 def test_decode_step_does_not_read_cu_seqlens_q():
     """LMDeploy's decode passes max_seqlen_q=1 and cu_seqlens_q; reading cu_seqlens_q would wait for the GPU, which
     CUDA-graph capture forbids, so offsets that do not even add up must go unread."""

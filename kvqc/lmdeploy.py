@@ -150,6 +150,41 @@ def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(head_dim)).to(device)
 
 
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """LMDeploy's TurboQuant rotation y = x @ H/sqrt(d) over the last dim (H symmetric, so it is also its inverse),
+    which its prefill applies to the query and to the output: one kernel on the tensor cores, where LMDeploy without
+    fast_hadamard_transform casts to float32 and multiplies by a d x d matrix. The +-1 products of fp16 and bf16
+    inputs accumulate exactly in float32; float32 inputs take IEEE products."""
+    d = x.shape[-1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"x: the Hadamard rotation needs a power-of-two last dim of at least 16, got {d}")
+    rows = x.reshape(-1, d).contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        block = 32 if d > 128 else 64
+        _hadamard_kernel[(triton.cdiv(rows.shape[0], block),)](
+            rows, out, rows.shape[0], HEAD_DIM=d, ROWS=block, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        )
+    return out.view(x.shape)
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, out_ptr, num_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    at = row[:, None].to(tl.int64) * HEAD_DIM + dim[None, :]
+    x = tl.load(x_ptr + at, mask=row[:, None] < num_rows, other=0.0)
+    # Sylvester's H: entry (i, j) is -1 where i & j has odd parity.
+    parity = dim[:, None] & dim[None, :]
+    parity = parity ^ (parity >> 8)
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    h = (1 - 2 * (parity & 1)).to(x.dtype)
+    y = tl.dot(x, h, input_precision=PRECISION) * (1.0 / HEAD_DIM ** 0.5)
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=row[:, None] < num_rows)
+
+
 class Kernels:
     """fill_kv_cache / flatten_kv_cache / flash_attn_with_kvcache bound to one generated module and quant_policy."""
 
@@ -384,6 +419,8 @@ def install(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy
             if mod is not None and getattr(mod, name, None) is original:
                 undo.append((mod, name, original))
                 setattr(mod, name, getattr(bound, name))
+    if quant_policy == 42:
+        undo += _fast_rotation()
     if contiguous_cache:
         undo.append(_contiguous_cache_layout())
 
@@ -393,6 +430,21 @@ def install(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy
             setattr(owner, name, previous)
 
     return uninstall
+
+
+def _fast_rotation() -> list[tuple[object, str, object]]:
+    """quant_policy 42's prefill rotates the query and the output around attention with LMDeploy's
+    turbo_quant.hadamard_rotate / hadamard_rotate_inv, looked up at each call: kvqc's kernel computes the same."""
+    try:
+        turbo = importlib.import_module("lmdeploy.pytorch.kernels.cuda.turbo_quant")
+    except ImportError:
+        return []  # an LMDeploy without it keeps its own rotation
+    undo = []
+    for name in ("hadamard_rotate", "hadamard_rotate_inv"):
+        if callable(getattr(turbo, name, None)):
+            undo.append((turbo, name, getattr(turbo, name)))
+            setattr(turbo, name, hadamard_rotate)
+    return undo
 
 
 def _contiguous_cache_layout() -> tuple[object, str, object]:

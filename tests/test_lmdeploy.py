@@ -189,6 +189,20 @@ def test_slot_mapping_follows_the_first_claimant_rule():
         assert got.tolist() == want
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hadamard_rotate_is_lmdeploys_rotation(d, dtype):
+    """What install() puts in place of LMDeploy's turbo_quant.hadamard_rotate(_inv): x @ H/sqrt(d) in x's dtype."""
+    x = torch.randn(5, 3, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    want = (x.double() @ hadamard(d)).to(dtype)  # hadamard(d) is H/sqrt(d)
+    got = kl.hadamard_rotate(x.to(DEVICE))
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = {"rtol": 2e-6, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 2e-3}  # the dtype's rounding
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    torch.testing.assert_close(kl.hadamard_rotate(got).cpu().double(), x.double(), rtol=0,
+                               atol=1e-5 if dtype == torch.float32 else 5e-3)
+
+
 def test_decode_step_does_not_read_cu_seqlens_q():
     """LMDeploy's decode passes max_seqlen_q=1 and cu_seqlens_q; reading cu_seqlens_q would wait for the GPU, which
     CUDA-graph capture forbids, so offsets that do not even add up must go unread."""

@@ -458,33 +458,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
-def _hadamard(head_dim: int) -> torch.Tensor:
-    """Sylvester's Walsh-Hadamard matrix, entries +-1."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < head_dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
-    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _tables(head_dim: int, device: torch.device) -> dict:
-    """Constant tensors the kernels read, built once per head_dim and device."""
-    d = head_dim
-    tables = {}
-
-    # key
-    order = torch.arange(d)
-
-    # value
-    order = torch.arange(d)
-    return tables
-
-
 # ---------------------------------------------------------------- launching
 # Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
 # arguments is most of an eager call's host time. _launch takes Triton's path once per launch key, which compiles
@@ -721,7 +694,6 @@ def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: t
             raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {num_slots} slots")
     if num_tokens == 0:
         return
-    tables = _tables(cache.head_dim, cache.device)
     grid = (_cdiv(num_tokens, _FILL_BLOCK_T), cache.num_kv_heads)
     _launch(
         _fill_kernel, grid,
@@ -805,7 +777,6 @@ def flatten(
         longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
-    tables = _tables(cache.head_dim, cache.device)
     tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
     if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
         batch_heads = block_tables.shape[0] * cache.num_kv_heads
@@ -985,7 +956,6 @@ def decode(
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
         return torch.zeros_like(query)
-    tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.

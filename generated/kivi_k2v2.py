@@ -129,8 +129,6 @@ def _fill_kernel(
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
-    key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
     VALUE_GROUPS: tl.constexpr = VALUE_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
     VALUE_SPAN: tl.constexpr = 32 // VALUE_CHUNK  # chunks per scale group where it spans several (then VALUE_GROUPS is 0)
@@ -965,33 +963,6 @@ def _window_decode_kernel(
     tl.store(partial_out_ptr + part[:, None] * D_PAD + dim[None, :], acc, mask=q_valid[:, None])
 
 
-def _hadamard(head_dim: int) -> torch.Tensor:
-    """Sylvester's Walsh-Hadamard matrix, entries +-1."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < head_dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
-    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _tables(head_dim: int, device: torch.device) -> dict:
-    """Constant tensors the kernels read, built once per head_dim and device."""
-    d = head_dim
-    tables = {}
-
-    # key
-    order = torch.arange(d)
-
-    # value
-    order = torch.arange(d)
-    return tables
-
-
 # ---------------------------------------------------------------- launching
 # Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
 # arguments is most of an eager call's host time. _launch takes Triton's path once per launch key, which compiles
@@ -1268,7 +1239,6 @@ def fill(
         _check_window_tokens(cache, slot_mapping, positions, window_index)
     if num_tokens == 0:
         return
-    tables = _tables(cache.head_dim, cache.device)
     # First: a group completed in this call may need ring entries that this call's newest tokens replace.
     _launch(
         _key_group_kernel, (num_tokens, cache.num_kv_heads),
@@ -1426,7 +1396,6 @@ def flatten(
         longest = capacity
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
-    tables = _tables(cache.head_dim, cache.device)
     tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
     if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
         batch_heads = block_tables.shape[0] * cache.num_kv_heads
@@ -1618,7 +1587,6 @@ def decode(
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
         return torch.zeros_like(query)
-    tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.

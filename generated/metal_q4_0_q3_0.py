@@ -1277,11 +1277,6 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
-def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
-    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
-
-
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""

@@ -1560,11 +1560,6 @@ def _lut_words(entries: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
-    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
-
-
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""

@@ -970,11 +970,6 @@ def _padded_positions(head_dim: int, chunks: int) -> torch.Tensor:
     return (torch.arange(chunks)[:, None] * pad + torch.arange(width)[None, :]).reshape(-1)
 
 
-def _interleaved_order(head_dim: int, per_byte: int) -> torch.Tensor:
-    """Coordinate held at each position under interleaved packing: position i * d / k + j is coordinate j * k + i."""
-    return torch.arange(head_dim).view(head_dim // per_byte, per_byte).t().reshape(-1)
-
-
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""

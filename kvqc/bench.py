@@ -200,7 +200,7 @@ def copy_bandwidth() -> float:
     src = torch.ones(size, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = _bench(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # frees them (the timed lambda holds the names)
     torch.cuda.empty_cache()
     return gbps(2 * size, ms)
 
@@ -351,7 +351,7 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
                                              [(c,) for c in caches]))
         if hasattr(module, "attend"):
             _measure_attend(module, row, caches, block_tables, seq_lens, hq)
-    del caches, cache
+    caches = cache = None  # frees them (the timed lambdas hold the names)
     torch.cuda.empty_cache()
 
     kv_bytes = decode_bytes(b, n, hkv, bpt, getattr(module, "WINDOW", 0), d)
@@ -363,7 +363,7 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
         row["flatten_fraction_of_bw"] = gbps(row["flatten_bytes"], row["flatten_ms"]) / bw
 
     _measure_peer(row, query, fp16_bytes, cfg)
-    del query
+    query = None
     if not cfg.get("decode_only"):
         _measure_fill(module, row, cfg)
 

@@ -391,6 +391,22 @@ class Layout:
         return self.rotates_query or self.rotates_output
 
     @property
+    def has_tables(self) -> bool:
+        """The module builds constant tensors (`_tables`): some side has a matrix, a codebook, a QJL projection or
+        padded positions."""
+        return any(side.tables or side.padded for side in self.sides)
+
+    @property
+    def builds_hadamard(self) -> bool:
+        """`_tables` builds a Hadamard matrix (`_hadamard`): some side rotates by a matrix."""
+        return any(side.uses_matrix and side.rotated for side in self.sides)
+
+    @property
+    def builds_interleaved_order(self) -> bool:
+        """`_tables` orders a matrix or projection by interleaved positions (`_interleaved_order`)."""
+        return any(side.permuted and (side.uses_matrix or side.scheme.residual.kind == "qjl") for side in self.sides)
+
+    @property
     def flatten_rotated(self) -> bool:
         """flatten can return K and V in the rotated basis (`rotated=True`: position order, each side's
         `rotation(side)` applied), skipping its way back: every side rotates in Hadamard blocks, with no window (the

@@ -285,7 +285,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- command: `{report['command']}` (from the repository root)",
         f"- date: {report['date']}",
         f"- machine: {report['machine']}",
-        f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
         f"- runtime: {report['total_seconds']:.1f} s in all"
         + "".join(f"; {name}: {s['seconds']:.1f} s" for name, s in report["sources"].items() if "seconds" in s),
         "",

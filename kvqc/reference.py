@@ -210,7 +210,6 @@ class SideReference:
         return codes[index], margin, scale[..., None]
 
     def _quantize_norm(self, y: torch.Tensor, meta_dtype: torch.dtype) -> Quantized:
-        bits = self.s.codebook.bits
         norm = y.norm(dim=1)
         unit = y / norm.clamp_min(1e-300)[:, None]
         index = torch.searchsorted(self.boundaries, unit.contiguous(), right=False)  # number of boundaries < u

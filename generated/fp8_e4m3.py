@@ -75,7 +75,7 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3, session 10 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): d=128 tiles 32/1/2-3 x splits 8/128, 16/128: 8 per SM 0.890 of the default's time against 0.901 for the entry it replaced.
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): d=128 tiles 32/1/2-3 x splits 8/128, 16/128: 8 per SM 0.890 of the default's time against 0.901 for the entry it replaced.
 _DECODE_CONFIGS = {64: (32, 1, 3, 8, 64), 128: (32, 1, 2, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)

@@ -75,7 +75,7 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3, session 10 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): tiles 32/1/2-3 x splits 8/64, 8/128, 16/128, 16/256; d=128 2 and 3 stages at spm 8 scored 0.843 / 0.844, 3 stages kept (8 x 32k 0.2139 vs 0.2209 ms).
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): tiles 32/1/2-3 x splits 8/64, 8/128, 16/128, 16/256; d=128 2 and 3 stages at spm 8 scored 0.843 / 0.844, 3 stages kept (8 x 32k 0.2139 vs 0.2209 ms).
 _DECODE_CONFIGS = {64: (32, 1, 3, 8, 128), 128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)

@@ -107,7 +107,7 @@ _FILL_BLOCK_T = 64
 # of copy bandwidth from one tile a program to 4 / 8 programs per SM: turbo_k4v2 41.6% -> 51.7 / 50.5%,
 # turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
 # turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
-# and 35%. Since session 12 (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large fill is
+# and 35%. Under a register cap (codegen.decode_tuning), as many as an SM holds, so a large fill is
 # one wave (turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5-58.9% at 8 per SM, 2.6 waves; 63.1-63.8% at 3);
 # `fill_programs` in templates/decode_tuning.json where another count measured faster.
 _FILL_PROGRAMS_PER_SM = 3
@@ -120,7 +120,7 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3, session 10 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): d=128 tiles 32/1/2-3 x splits 8/128, 16/128: 8 per SM 0.876 against 0.884 (8 x 8k 0.0568 -> 0.0536 ms).
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3 (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time): d=128 tiles 32/1/2-3 x splits 8/128, 16/128: 8 per SM 0.876 against 0.884 (8 x 8k 0.0568 -> 0.0536 ms).
 _DECODE_CONFIGS = {64: (64, 1, 3, 16, 128), 128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)

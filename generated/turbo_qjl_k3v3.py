@@ -97,7 +97,7 @@ _FILL_BLOCK_T = 64
 # of copy bandwidth from one tile a program to 4 / 8 programs per SM: turbo_k4v2 41.6% -> 51.7 / 50.5%,
 # turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
 # turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
-# and 35%. Since session 12 (codegen.decode_tuning): under a register cap, as many as an SM holds, so a large fill is
+# and 35%. Under a register cap (codegen.decode_tuning), as many as an SM holds, so a large fill is
 # one wave (turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5-58.9% at 8 per SM, 2.6 waves; 63.1-63.8% at 3);
 # `fill_programs` in templates/decode_tuning.json where another count measured faster.
 _FILL_PROGRAMS_PER_SM = 8

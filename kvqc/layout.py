@@ -372,7 +372,7 @@ class Layout:
     def fill_loops(self) -> bool:
         """Fill programs loop over several token tiles, so Triton prefetches the next tile's rows while this one is
         rotated and quantized: where some side rotates in Hadamard blocks. The elementwise fills and the dense
-        matrix ones keep one tile a program (measured in docs/benchmarks.md, session 9)."""
+        matrix ones keep one tile a program (measured on an H100)."""
         return any(side.hadamard_blocks for side in self.sides)
 
     @property

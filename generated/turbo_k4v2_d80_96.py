@@ -109,7 +109,7 @@ _DECODE_CONFIGS = {}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
-# Set per scheme from measurements (templates/decode_tuning.json, docs/benchmarks.md).
+# Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None

@@ -1608,7 +1608,6 @@ def flatten(
     _check_cache(cache)
     if not isinstance(rotated, bool):
         raise ValueError(f"rotated: expected True or False, got {rotated!r}")
-    capacity = block_tables.shape[1] * cache.block_size if isinstance(block_tables, torch.Tensor) else 0
     if out is None:
         if start_loc is not None:
             raise ValueError("start_loc: places sequences in out's rows; pass out=(key, value) with it")
@@ -1616,6 +1615,7 @@ def flatten(
         if isinstance(seq_lens, torch.Tensor) and not on_host and seq_lens.device != cache.device:
             raise ValueError(f"seq_lens: expected a tensor on {cache.device} (the cache's device) or on the CPU, got {seq_lens.device}")
         _check_paging(cache, block_tables, seq_lens, seq_lens_device=seq_lens.device if on_host else None)
+        capacity = block_tables.shape[1] * cache.block_size
         lens = seq_lens.tolist()
         for i, n in enumerate(lens):
             if not 0 <= n <= capacity:
@@ -1635,6 +1635,7 @@ def flatten(
     else:
         _check_paging(cache, block_tables, seq_lens)
         key, value = _check_flatten_out(cache, out)
+        capacity = block_tables.shape[1] * cache.block_size
         if start_loc is None:
             start_loc = torch.cumsum(seq_lens, 0) - seq_lens
         else:
@@ -1728,7 +1729,7 @@ class DecodePlan:
     block_n: int
     num_warps: int
     num_stages: int
-    register_cap: "int | None"
+    register_cap: int | None
     split_chunk: int
     num_splits: int
     pdl: bool

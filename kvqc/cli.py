@@ -176,6 +176,17 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernel_stack(command: str) -> None:
+    """bench and tune run kernels: without torch and triton (the `kernels` extra) say so in one line."""
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError:
+        print(f"kvqc {command}: needs torch and triton: pip install -e '.[kernels]' (or your own CUDA build of torch)",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     for stream in (sys.stdout, sys.stderr):
@@ -195,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_list)
     p = sub.add_parser("bench", help="time decode / fill / flatten against fp16 SDPA on a GPU")
     if argv[:1] == ["bench"]:  # bench imports torch: only when asked, so `kvqc build` stays quick
+        _kernel_stack("bench")
         from . import bench
 
         bench.add_arguments(p)
         p.set_defaults(run=bench.run)
     p = sub.add_parser("tune", help="sweep decode's launch settings on a GPU; --write the best into the modules' table")
     if argv[:1] == ["tune"]:
+        _kernel_stack("tune")
         from . import tune
 
         tune.add_arguments(p)

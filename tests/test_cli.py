@@ -958,3 +958,21 @@ def test_a_copied_scheme_does_not_replace_the_shipped_module(tmp_path):
     (out / "int8_token.py").write_text("x = 1\n")
     line = assert_clean_failure(*run("build", str(edited), "--out", str(out)), edited)
     assert "which kvqc did not generate; change name, choose another --out, or pass --force to replace it" in line
+
+
+WITHOUT_TORCH = "import sys; sys.modules['torch'] = sys.modules['triton'] = None; from kvqc.cli import main; "
+
+
+@pytest.mark.parametrize("argv, status", [
+    (["build", "--check"], 0), (["list"], 0), (["explain", "schemes/turbo_k4v2.yaml"], 0),
+    (["bench", "int8_token"], 2), (["tune", "int8_token"], 2),
+])
+def test_building_needs_neither_torch_nor_triton(argv, status):
+    """`pip install kvqc` brings jinja2 and pyyaml only: build, list and explain run without torch and triton, and
+    bench and tune, which run kernels, say in one line which extra they need."""
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH + f"raise SystemExit(main({argv!r}))"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == status, run.stderr[-2000:]
+    if status:
+        want = f"kvqc {argv[0]}: needs torch and triton: pip install -e '.[kernels]' (or your own CUDA build of torch)"
+        assert run.stderr.strip() == want

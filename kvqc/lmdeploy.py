@@ -277,8 +277,7 @@ class Kernels:
         self.module.flatten(cache, block_offsets, seqlens.to(device), out=(rows(key), rows(value)),
                             start_loc=start_loc, **basis)
         if self.quant_policy == 42 and not basis:
-            q = _rotation(head_dim, device)
-            key, value = (key.float() @ q).to(out_dtype), (value.float() @ q).to(out_dtype)
+            key, value = hadamard_rotate(key), hadamard_rotate(value)
         return key, value
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q=None,
@@ -299,7 +298,12 @@ class Kernels:
         if num_tokens == batch and (max_seqlen_q == 1 or (max_seqlen_q is None and cu_seqlens_q is None)):
             # One query token per sequence, known without reading cu_seqlens_q: LMDeploy's decode step (it passes
             # max_seqlen_q=1) runs inside CUDA graphs, where nothing may wait for the GPU.
-            plan = self._plan(q, cache, page_table, cache_seqlens)
+            # LMDeploy hands every layer of a step the same block_offsets and kv_seqlens tensors: the first layer
+            # plans, the others reuse it (an eager step's host time).
+            last = self._last_plan
+            same_step = last is not None and last.block_tables is page_table and last.seq_lens is cache_seqlens
+            plan = paged.step_plan(self.module, last if same_step else None, q, cache, page_table, cache_seqlens)
+            self._last_plan = plan or last
             return self.module.decode(q, cache, page_table, cache_seqlens, scale=softmax_scale, plan=plan)
         if cu_seqlens_q is not None:  # query tokens per sequence, possibly uneven (chunked prefill)
             if cu_seqlens_q.shape[0] != batch + 1 or int(cu_seqlens_q[-1]) != num_tokens:
@@ -332,19 +336,6 @@ class Kernels:
         if kv_layout not in ("bshd", "bhsd"):
             raise ValueError(f"kv_layout: kvqc reads 'bshd' or 'bhsd' caches, got {kv_layout!r}")
 
-    def _plan(self, q, cache, page_table, cache_seqlens):
-        """The step's decode plan: LMDeploy hands every layer of a step the same block_offsets and kv_seqlens
-        tensors, so the first layer plans and the others reuse it (an eager step's host time). None while a CUDA
-        graph is captured: each captured layer then plans inside the graph's own memory."""
-        if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        plan = self._last_plan
-        if (plan is None or plan.block_tables is not page_table or plan.seq_lens is not cache_seqlens
-                or plan.num_q_heads != q.shape[1] or plan.dtype != q.dtype
-                or plan.geometry != self.module._geometry(cache)):
-            plan = self._last_plan = self.module.plan_decode(cache, page_table, cache_seqlens, q.shape[1], q.dtype)
-        return plan
-
     def _rotation_is_lmdeploys(self, head_dim: int) -> bool:
         """Whether the module's K and V rotations are LMDeploy's H/sqrt(d), so flatten's rotated basis is its."""
         if head_dim not in self._same_rotation:
@@ -359,11 +350,12 @@ class Kernels:
         """The module's KVCache over LMDeploy's tensors: one object per layer's tensors, built once, so the module's
         checks of it run once too."""
         tensors = (key_codes, key_meta, value_codes, value_meta)
-        known = self._caches.get(tuple(map(id, tensors)) + (head_dim, kv_layout))
+        key = (*map(id, tensors), head_dim, kv_layout)
+        known = self._caches.get(key)
         if known is not None and all(a is b for a, b in zip(known[0], tensors)):
             return known[1]
         cache = self._new_cache(key_codes, key_meta, value_codes, value_meta, head_dim, kv_layout)
-        self._caches[tuple(map(id, tensors)) + (head_dim, kv_layout)] = (tensors, cache)
+        self._caches[key] = (tensors, cache)
         return cache
 
     def _new_cache(self, key_codes, key_meta, value_codes, value_meta, head_dim: int, kv_layout: str):

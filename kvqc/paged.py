@@ -29,6 +29,19 @@ def load_module(module_or_name: ModuleType | str | Path) -> ModuleType:
     return modules.load(module_or_name)
 
 
+def step_plan(module: ModuleType, plan, query: torch.Tensor, cache, block_tables: torch.Tensor,
+              seq_lens: torch.Tensor):
+    """The decode plan for one layer of a decode step: `plan` (the step's so far, or None) where it serves this
+    query and cache, else a new one. None while a CUDA graph is captured: a captured layer plans inside the graph's
+    own memory."""
+    if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if (plan is not None and plan.num_q_heads == query.shape[1] and plan.dtype == query.dtype
+            and plan.geometry == module._geometry(cache)):
+        return plan
+    return module.plan_decode(cache, block_tables, seq_lens, query.shape[1], query.dtype)
+
+
 def checking(device: torch.device) -> bool:
     """Whether host-side index checks run: always on CPU, on a GPU only with KVQC_DEBUG=1 (they sync)."""
     return device.type == "cpu" or os.environ.get("KVQC_DEBUG", "0") == "1"

@@ -143,7 +143,9 @@ def forward(
     if metadata.max_query_len <= 1 and n == reqs:
         # Request i's token is row i. Under a full CUDA graph the trailing requests are padding (no query token,
         # seq_len 0, block table row -1): decode reads no block for them and their rows are discarded.
-        plan = _decode_plan(module, metadata, query[:reqs], cache, block_table, seq_lens)
+        # The step's layers share one plan (piecewise CUDA graphs run attention eagerly, once per layer).
+        plan = paged.step_plan(module, metadata.decode_plan, query[:reqs], cache, block_table, seq_lens)
+        metadata.decode_plan = plan or metadata.decode_plan
         if plan is not None:
             block_table, seq_lens = plan.block_tables, plan.seq_lens  # the tensors the plan was made with
         output[:reqs] = module.decode(query[:reqs], cache, block_table, seq_lens, scale=scale, plan=plan)
@@ -164,18 +166,6 @@ def forward(
         k, v = module.flatten(cache, block_table[at], lens)
         output[rows] = paged.attend(query[rows], k, v, [q_lens[i] for i in longer], lens.tolist(), scale)
     return output
-
-
-def _decode_plan(module: ModuleType, metadata: Metadata, query: torch.Tensor, cache, block_table, seq_lens):
-    """The step's decode plan, shared by its layers (piecewise CUDA graphs run attention eagerly, once per layer).
-    None while a CUDA graph is captured: a captured layer plans inside the graph's own memory."""
-    if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    plan = metadata.decode_plan
-    if (plan is None or plan.num_q_heads != query.shape[1] or plan.dtype != query.dtype
-            or plan.geometry != module._geometry(cache)):
-        plan = metadata.decode_plan = module.plan_decode(cache, block_table, seq_lens, query.shape[1], query.dtype)
-    return plan
 
 
 # ---------------------------------------------------------------------------------------------------- vLLM

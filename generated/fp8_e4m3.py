@@ -1254,7 +1254,7 @@ def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch
 def __getattr__(name: str):
     # The float64 reference lives in kvqc; importing it lazily keeps this module free of kvqc at run time.
     if name == "reference":
-        from kvqc.reference import bind
+        from kvqc.oracle.reference import bind
 
         globals()["reference"] = bind(SCHEME)  # built once: later lookups find it without coming here
         return globals()["reference"]

@@ -1,10 +1,11 @@
 """Load a generated module from a scheme name, a generated .py file or a scheme .yaml.
 
-    kv = kvqc.modules.load("turbo_k4v2")                 # generated/turbo_k4v2.py of this checkout
+    kv = kvqc.modules.load("turbo_k4v2")                 # ./generated/turbo_k4v2.py, else the shipped scheme
     kv = kvqc.modules.load("path/to/generated/x.py")     # any generated module
     kv = kvqc.modules.load("my_scheme.yaml")             # rendered on the fly into the cache directory
 
-A .yaml is validated and rendered with kvqc.codegen.render, then written once to
+A bare name is the module `kvqc build` wrote under the working directory (`generated/<name>.py`) when there is one,
+else the shipped scheme of that name (kvqc/schemes/<name>.yaml), rendered as any .yaml is. A .yaml is validated and rendered with kvqc.compiler.codegen.render, then written once to
 `$KVQC_CACHE_DIR/<name>-<sha256 of the source, 12 hex>.py` (default `~/.cache/kvqc`): Triton reads a kernel's
 source back from its file, so a module must live in a real file. Modules are imported by file path (never by
 package name) and cached: a second load of the same file returns the same module object.
@@ -24,12 +25,13 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from .files import read_regular
-from .spec import NAME_RE
+from kvqc.files import read_regular
+from kvqc.compiler.spec import NAME_RE
 
-ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ROOT / "generated"
-SCHEMES = ROOT / "schemes"
+# The shipped catalogue, inside the package so that any install can build it.
+SCHEMES = Path(__file__).resolve().parent / "schemes"
+# Where `kvqc build` writes by default, relative to the working directory.
+GENERATED = Path("generated")
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Path, bool], ModuleType] = {}
@@ -77,16 +79,18 @@ def resolve(scheme: str | Path) -> Path:
     if not NAME_RE.match(text):
         raise ValueError(f"{text!r}: not a scheme name ([a-z][a-z0-9_]*), a .py file or a .yaml file")
     target = GENERATED / f"{text}.py"
-    if not target.is_file():
-        known = sorted(p.stem for p in GENERATED.glob("*.py") if p.stem != "__init__")
-        hint = f"; run `kvqc build {SCHEMES / (text + '.yaml')}`" if (SCHEMES / f"{text}.yaml").is_file() else ""
-        raise FileNotFoundError(f"{text}: no generated module {target}{hint} (generated: {', '.join(known) or 'none'})")
-    return target.resolve()
+    if target.is_file():
+        return target.resolve()
+    if (SCHEMES / f"{text}.yaml").is_file():
+        return _render(SCHEMES / f"{text}.yaml")
+    known = sorted(p.stem for p in SCHEMES.glob("*.yaml"))
+    raise FileNotFoundError(f"{text}: no {target} here and no shipped scheme of that name (shipped: {', '.join(known)}); "
+                            "pass a .yaml or .py path")
 
 
 def _render(path: Path) -> Path:
-    from .codegen import render, write_atomic
-    from .spec import load_scheme
+    from kvqc.compiler.codegen import render, write_atomic
+    from kvqc.compiler.spec import load_scheme
 
     scheme = load_scheme(path)  # raises SchemeError (one line) for a bad file
     source = render(scheme)
@@ -131,7 +135,7 @@ def load(scheme: str | Path) -> ModuleType:
 def bits_per_coordinate(module: ModuleType, head_dim: int, metadata_bytes: int = 2) -> tuple[float, float]:
     """Stored K and V bits per coordinate of a generated module's cache (both parts of a channel split), read off
     the scheme it embeds."""
-    from .spec import scheme_from_dict
+    from kvqc.compiler.spec import scheme_from_dict
 
     return scheme_from_dict(module.SCHEME, source="<generated module>").bits_per_coordinate(head_dim, metadata_bytes)
 

@@ -29,13 +29,13 @@ settings.register_profile(
 settings.load_profile(os.environ.get("KVQC_PROFILE", "ci"))
 DEEP = os.environ.get("KVQC_PROFILE", "ci") == "deep"
 
-ALL_SCHEMES = sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
+ALL_SCHEMES = sorted(p.stem for p in (ROOT / "kvqc" / "schemes").glob("*.yaml"))
 # Schemes with a recent-token window take positions and ring rows in their kernels' signatures: test_window.py
 # checks them; the kernel tests elsewhere take the windowless ones.
-WINDOW_SCHEMES = [n for n in ALL_SCHEMES if "\nwindow:" in (ROOT / "schemes" / f"{n}.yaml").read_text()]
+WINDOW_SCHEMES = [n for n in ALL_SCHEMES if "\nwindow:" in (ROOT / "kvqc" / "schemes" / f"{n}.yaml").read_text()]
 # Schemes with a channel split need calibrate() before their first fill: test_kernels.py and test_split.py take
 # them; the edge-case suites elsewhere build caches without it.
-SPLIT_SCHEMES = [n for n in ALL_SCHEMES if "\n  outliers:" in (ROOT / "schemes" / f"{n}.yaml").read_text()]
+SPLIT_SCHEMES = [n for n in ALL_SCHEMES if "\n  outliers:" in (ROOT / "kvqc" / "schemes" / f"{n}.yaml").read_text()]
 SCHEMES = [n for n in ALL_SCHEMES if n not in WINDOW_SCHEMES and n not in SPLIT_SCHEMES]
 
 from kvqc.modules import load as generated  # noqa: E402, F401  generated/<name>.py, imported once (tests import it)

@@ -1,7 +1,7 @@
 """kvqc bench's pure parts on CPU: the table row and the speedup plot (no timing here; timing needs a GPU)."""
 
 import pytest
-from kvqc import bench
+from kvqc.tools import bench
 
 
 def row(scheme, context, speedup, **extra):

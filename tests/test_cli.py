@@ -15,11 +15,13 @@ import io
 import itertools
 import os
 import re
+import shutil
 import json
 import subprocess
 import sys
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -31,11 +33,12 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import kvqc
-from kvqc import codegen, files, spec
+from kvqc.compiler import codegen, spec
+from kvqc import files
 from kvqc.cli import main
-from kvqc.spec import MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme
+from kvqc.compiler.spec import MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme
 
-SCHEME_DIR = ROOT / "schemes"
+SCHEME_DIR = ROOT / "kvqc" / "schemes"
 GENERATED = ROOT / "generated"
 BASE_TEXT = {name: (SCHEME_DIR / f"{name}.yaml").read_text(encoding="utf-8") for name in SCHEMES}
 BASE = {name: yaml.safe_load(text) for name, text in BASE_TEXT.items()}
@@ -158,7 +161,7 @@ def check_build(scheme_path: Path, out_dir: Path, *, sections: set[str] | None =
     target = out_dir / f"{scheme.name}.py"
     assert out in (f"{scheme_path} -> {target}\n", f"{target}: up to date\n"), out
     after = snapshot(out_dir)
-    assert set(after) == set(before) | {target.name}, "stray files in --out"
+    assert set(after) == set(before) | {target.name, "__init__.py"}, "stray files in --out"
     assert all(after[k] == v for k, v in before.items() if k != target.name)
     assert_good_module(scheme_path, target, rerender=False)
     # Building again renders the same bytes, so nothing is written.
@@ -183,7 +186,7 @@ def seeded_out(tmp: Path, name: str) -> Path:
 def test_committed_module_is_current(name):
     """The stale-module guard: every committed module is exactly what the current compiler renders."""
     assert (GENERATED / f"{name}.py").read_text(encoding="utf-8") == codegen.render(load_scheme(SCHEME_DIR / f"{name}.yaml")), (
-        f"generated/{name}.py is stale: run `kvqc build schemes/{name}.yaml`"
+        f"generated/{name}.py is stale: run `kvqc build`"
     )
 
 
@@ -193,7 +196,7 @@ def test_every_committed_module_has_a_scheme():
 
 
 def test_check_passes_in_the_repository(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the defaults: schemes/*.yaml and --out generated; --check writes nothing
+    monkeypatch.chdir(ROOT)  # the defaults: the shipped schemes and --out generated; --check writes nothing
     assert run("build", "--check") == (0, "", "")
 
 
@@ -204,8 +207,8 @@ def test_build_all_is_reproducible(tmp_path):
     assert out.splitlines() == [f"{p} -> {tmp_path / 'a' / n}.py" for p, n in zip(paths, SCHEMES)]
     assert run("build", *paths, "--out", str(tmp_path / "b"))[0] == 0
     a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
-    assert sorted(a) == [f"{n}.py" for n in SCHEMES]  # no temporary files left behind
-    assert a == b == {f"{n}.py": codegen.render(load_scheme(p)).encode() for n, p in zip(SCHEMES, paths)}
+    assert sorted(a) == ["__init__.py"] + [f"{n}.py" for n in SCHEMES]  # no temporary files left behind
+    assert a == b == {"__init__.py": b"", **{f"{n}.py": codegen.render(load_scheme(p)).encode() for n, p in zip(SCHEMES, paths)}}
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
     status, out, _ = run("build", *paths, "--out", str(tmp_path / "a"))
     assert status == 0 and out.splitlines() == [f"{tmp_path / 'a' / n}.py: up to date" for n in SCHEMES]
@@ -286,11 +289,17 @@ def test_two_schemes_with_one_name(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_no_schemes_here(tmp_path, monkeypatch):
+def test_build_from_any_directory(tmp_path, monkeypatch):
+    """Outside a checkout the defaults are the shipped schemes and generated/ under the working directory."""
     monkeypatch.chdir(tmp_path)
-    for command in (["build"], ["build", "--check"], ["list"]):
-        line = assert_clean_failure(*run(*command), "schemes/", table=command == ["list"])
-        assert "no *.yaml files here" in line
+    code, out, err = run("build", "--check")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [f"generated/{n}.py: stale, run `kvqc build {SCHEME_DIR / n}.yaml`" for n in SCHEMES]
+    assert run("build", str(SCHEME_DIR / "int8_token.yaml"))[0] == 0
+    assert (tmp_path / "generated" / "int8_token.py").read_text() == (GENERATED / "int8_token.py").read_text()
+    assert (tmp_path / "generated" / "__init__.py").read_text() == ""  # `from generated import int8_token`
+    code, out, _ = run("list")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == SCHEMES
 
 
 def test_default_name_comes_from_the_file(tmp_path):
@@ -866,7 +875,7 @@ def test_schemes_that_are_not_regular_files_are_refused(tmp_path, monkeypatch):
         (tmp_path / "schemes").mkdir()
         os.symlink(fifo, tmp_path / "schemes" / "linked.yaml")  # a link is followed to what it names
         monkeypatch.chdir(tmp_path)
-        line = assert_clean_failure(*run("build", "--check"), "schemes/linked.yaml")
+        line = assert_clean_failure(*run("build", "--check", "schemes/linked.yaml"), "schemes/linked.yaml")
         assert line.endswith("not a regular file: a FIFO)")
     assert not out.exists()
 
@@ -964,7 +973,7 @@ WITHOUT_TORCH = "import sys; sys.modules['torch'] = sys.modules['triton'] = None
 
 
 @pytest.mark.parametrize("argv, status", [
-    (["build", "--check"], 0), (["list"], 0), (["explain", "schemes/turbo_k4v2.yaml"], 0),
+    (["build", "--check"], 0), (["list"], 0), (["explain", "turbo_k4v2"], 0),
     (["bench", "int8_token"], 2), (["tune", "int8_token"], 2),
 ])
 def test_building_needs_neither_torch_nor_triton(argv, status):
@@ -976,3 +985,26 @@ def test_building_needs_neither_torch_nor_triton(argv, status):
     if status:
         want = f"kvqc {argv[0]}: needs torch and triton: pip install -e '.[kernels]' (or your own CUDA build of torch)"
         assert run.stderr.strip() == want
+
+
+def test_a_wheel_install_builds_every_shipped_scheme(tmp_path):
+    """Templates and schemes ship inside the package: a wheel, installed by unpacking it, builds the catalogue from
+    any directory, byte for byte what the checkout builds."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "kvqc", source / "kvqc", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("kvqc-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    built = subprocess.run([sys.executable, "-c", WITHOUT_TORCH + "raise SystemExit(main(['build']))"], cwd=work,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    for name in SCHEMES:
+        assert (work / "generated" / f"{name}.py").read_text() == (GENERATED / f"{name}.py").read_text(), name

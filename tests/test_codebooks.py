@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from kvqc import codebooks as cb
-from kvqc.codebooks import Codebook, distortion_unit_vector, lloyd_max
+from kvqc.numerics import codebooks as cb
+from kvqc.numerics.codebooks import Codebook, distortion_unit_vector, lloyd_max
 
 ALL_BITS = range(1, 9)
 # (law, head_dim) pairs exercised by the structural tests.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ALL_SCHEMES, DEVICE, ROOT
-from kvqc import bench
+from kvqc.tools import bench
 from kvqc.modules import load
 
 GLUON_SCHEMES = ["turbo_eden_k4v2", "turbo_k4mse_v2", "turbo_k4v2"]

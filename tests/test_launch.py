@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kvqc import bench
+from kvqc.tools import bench
 from kvqc.modules import load
 
 INTS = [0, 1, 2, 15, 16, 17, 32, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, (1 << 32) + 16, -1, -16, (1 << 63), (1 << 63) + 1]

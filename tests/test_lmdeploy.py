@@ -1,4 +1,4 @@
-"""kvqc.lmdeploy on CPU, with synthetic inputs in LMDeploy 0.18's layout (LMDeploy itself is not installed).
+"""kvqc.engines.lmdeploy on CPU, with synthetic inputs in LMDeploy 0.18's layout (LMDeploy itself is not installed).
 
 Caches are allocated the way LMDeploy allocates them for a quant_policy (uint8 codes, model-dtype scales_zeros,
 [num_blocks, block_size, num_kv_heads, ...]); batches are described the way its attention layer describes them
@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-import kvqc.lmdeploy as kl
+import kvqc.engines.lmdeploy as kl
 
 HEAD_DIM = 64
 BLOCK = 4

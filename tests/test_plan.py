@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE, generated
 
-from kvqc import bench
+from kvqc.tools import bench
 
 LENS, BLOCK_SIZE, KV_HEADS, Q_HEADS = [5, 70, 33], 32, 2, 4
 CASES = ["turbo_k4v2", "int4_token", "sign1_window", "turbo_outlier_2p5"]

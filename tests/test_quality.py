@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvqc import quality
+from kvqc.tools import quality
 
 SCHEMES = ["int4_token", "int8_token"]
 

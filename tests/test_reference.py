@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvqc.codebooks import lloyd_max
-from kvqc.reference import Reference, bind
-from kvqc.spec import SchemeError, load_scheme, scheme_from_dict
+from kvqc.numerics.codebooks import lloyd_max
+from kvqc.oracle.reference import Reference, bind
+from kvqc.compiler.spec import SchemeError, load_scheme, scheme_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64
@@ -631,7 +631,7 @@ def lmdeploy_v(x: torch.Tensor):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_lmdeploy_turbo_k4v2_bytes(d):
-    s = load_scheme(ROOT / "schemes" / "turbo_k4v2.yaml")
+    s = load_scheme(ROOT / "kvqc" / "schemes" / "turbo_k4v2.yaml")
     assert d in s.head_dims
     ref = bind(s.to_dict())  # as a generated module binds it, from its embedded plain data
     g = torch.Generator().manual_seed(100 + d)

@@ -9,8 +9,8 @@ from conftest import DEVICE, generated
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvqc import rotation
-from kvqc.rotation import fwht, gaussian_matrix, hadamard_matrix, sign_vector, splitmix64, uniform
+from kvqc.numerics import rotation
+from kvqc.numerics.rotation import fwht, gaussian_matrix, hadamard_matrix, sign_vector, splitmix64, uniform
 
 RENDERED = (splitmix64, uniform, gaussian_matrix)
 

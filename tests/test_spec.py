@@ -20,10 +20,10 @@ from conftest import ROOT
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvqc import spec
-from kvqc.spec import FORMAT_VERSION, MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme, scheme_from_dict
+from kvqc.compiler import spec
+from kvqc.compiler.spec import FORMAT_VERSION, MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme, scheme_from_dict
 
-SCHEME_DIR = ROOT / "schemes"
+SCHEME_DIR = ROOT / "kvqc" / "schemes"
 DEFAULT_PACKING = spec.TensorScheme.__dataclass_fields__["packing"].default  # works for any 3, 5, 6 or 7-bit code
 # A fuzz test draws many more examples than a unit test; scaled with the profile (ci 6 -> 60, deep 60 -> 600).
 FUZZ = settings(max_examples=10 * settings.default.max_examples)
@@ -614,7 +614,7 @@ def _grouped(bits: int, group_size: int, head_dims: list[int]) -> dict:
     ],
 )
 def test_scale_groups_may_span_whole_chunks(bits, group_size, head_dims, spans):
-    from kvqc.layout import plan
+    from kvqc.compiler.layout import plan
 
     scheme = scheme_from_dict(_grouped(bits, group_size, head_dims), "g.yaml")
     key = plan(scheme).key
@@ -641,7 +641,7 @@ def test_scale_groups_must_tile_the_chunks(bits, group_size, head_dims, message)
 
 def test_per_channel_groups_never_span_chunks():
     """KIVI's keys share a scale along group_size tokens: the channel-group rule and its kernels leave them alone."""
-    from kvqc.layout import plan
+    from kvqc.compiler.layout import plan
 
     layout = plan(load_scheme(SCHEME_DIR / "kivi_k2v2.yaml"))
     assert 64 in layout.scheme.head_dims

@@ -10,8 +10,8 @@ import torch
 from conftest import DEVICE, ROOT, SPLIT_SCHEMES, generated
 from test_kernels import OUT_RTOL, rel_err
 
-from kvqc.reference import bind, select_channels
-from kvqc.spec import SchemeError, load_scheme, scheme_from_dict
+from kvqc.oracle.reference import bind, select_channels
+from kvqc.compiler.spec import SchemeError, load_scheme, scheme_from_dict
 
 TEST_SPLITS = sorted(str(p) for p in (ROOT / "tests" / "schemes").glob("split_*.yaml"))
 ALL_SPLITS = SPLIT_SCHEMES + TEST_SPLITS
@@ -107,7 +107,7 @@ def test_cache_costs_bytes_per_token(name):
 
 
 def test_turbo_outlier_2p5_is_two_and_a_half_bits():
-    s = load_scheme(ROOT / "schemes" / "turbo_outlier_2p5.yaml")
+    s = load_scheme(ROOT / "kvqc" / "schemes" / "turbo_outlier_2p5.yaml")
     for d in (128, 256):
         kb, vb = s.bits_per_coordinate(d, metadata_bytes=0)
         assert kb == vb == 2.5
@@ -138,8 +138,8 @@ def test_attend_and_decode_agree_with_the_reference(name):
 def test_split_beats_the_plain_grid_on_outlier_channels():
     """The reason for the split: at 2.5 bits, keys with wide channels come back closer than at a plain 2 bits, and
     choosing the channels by variance beats a fixed, wrong choice. Float64 reference, d=128, 400 tokens x 4 heads."""
-    split = bind(load_scheme(ROOT / "schemes" / "turbo_outlier_2p5.yaml"))
-    base = load_scheme(ROOT / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
+    split = bind(load_scheme(ROOT / "kvqc" / "schemes" / "turbo_outlier_2p5.yaml"))
+    base = load_scheme(ROOT / "kvqc" / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
     for side in ("key", "value"):
         del base[side]["outliers"]
     plain = bind(scheme_from_dict(base))
@@ -172,7 +172,7 @@ def test_split_beats_the_plain_grid_on_outlier_channels():
     ],
 )
 def test_bad_splits_are_refused_with_one_line(change, field, message):
-    data = load_scheme(ROOT / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
+    data = load_scheme(ROOT / "kvqc" / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
     data["key"]["outliers"].update(change)
     with pytest.raises(SchemeError) as e:
         scheme_from_dict(data, "x.yaml")
@@ -180,10 +180,10 @@ def test_bad_splits_are_refused_with_one_line(change, field, message):
 
 
 def test_split_with_window_or_per_channel_scales_is_refused():
-    data = load_scheme(ROOT / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
+    data = load_scheme(ROOT / "kvqc" / "schemes" / "turbo_outlier_2p5.yaml").to_dict()
     with pytest.raises(SchemeError, match="key.outliers: a channel split with a recent-token window"):
         scheme_from_dict({**data, "window": 64}, "x.yaml")
-    kivi = load_scheme(ROOT / "schemes" / "kivi_k2v2.yaml").to_dict()
+    kivi = load_scheme(ROOT / "kvqc" / "schemes" / "kivi_k2v2.yaml").to_dict()
     kivi["key"]["outliers"] = {"fraction": 0.25, "codebook": {"kind": "uniform", "bits": 4}}
     with pytest.raises(SchemeError, match="key.outliers: per-channel scales already"):
         scheme_from_dict(kivi, "x.yaml")

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
-import kvqc.transformers as kq  # noqa: E402
-from kvqc import eval as kvqc_eval  # noqa: E402
+import kvqc.engines.transformers as kq  # noqa: E402
+from kvqc.tools import eval as kvqc_eval# noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 
@@ -225,7 +225,7 @@ def test_misuse_raises_clear_errors(tiny, monkeypatch):
     monkeypatch.undo()
     ids = prompt(9)
     tiny.set_attn_implementation(kq.ATTENTION)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="kvqc.transformers.cache"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="kvqc.engines.transformers.cache"):
         tiny(ids, **with_cache(tiny, DynamicCache(config=config)))
     tiny.set_attn_implementation("sdpa")
     past = kq.cache("int8_token", config, backend="reference")
@@ -295,7 +295,7 @@ def tiny_checkpoint(folder, model_class=LlamaForCausalLM, config=None):
 
 
 def test_eval_end_to_end(tmp_path, capsys):
-    """(c) kvqc.eval.run on the tiny model: exit 0, a table, the JSON with every required key, a PNG."""
+    """(c) kvqc.tools.eval.run on the tiny model: exit 0, a table, the JSON with every required key, a PNG."""
     tiny_checkpoint(tmp_path / "model")
     parser = argparse.ArgumentParser()
     kvqc_eval.add_arguments(parser)
@@ -375,7 +375,7 @@ SPLIT = str(ROOT / "tests" / "schemes" / "split_d64.yaml")  # head_dim 64, outli
 def test_split_scheme_calibrates_on_the_prompt(tiny, backend):
     """A channel split chooses each layer's outlier channels from the first K/V stored (the prompt), and the
     cache reads back what the reference makes of it."""
-    from kvqc.reference import select_channels
+    from kvqc.oracle.reference import select_channels
 
     ids = prompt(11, 24)
     past = kq.cache(SPLIT, tiny.config, backend=backend, block_size=16)

@@ -2,7 +2,8 @@
 
 import json
 
-from kvqc import codegen, tune
+from kvqc.compiler import codegen
+from kvqc.tools import tune
 
 
 def rows(times):

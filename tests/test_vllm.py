@@ -1,4 +1,4 @@
-"""kvqc.vllm on CPU, with synthetic inputs in vLLM 0.13's layout (vLLM itself is not installed).
+"""kvqc.engines.vllm on CPU, with synthetic inputs in vLLM 0.13's layout (vLLM itself is not installed).
 
 One raw uint8 tensor per layer, as vLLM allocates it, carved into four contiguous regions; batches described as
 vLLM describes them (query_start_loc, seq_lens, block_table, slot_mapping with -1 padding, padded token rows),
@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-import kvqc.vllm as kv
+import kvqc.engines.vllm as kv
 
 BLOCK = 4
 KV_HEADS = 2
@@ -218,7 +218,7 @@ def test_padded_decode_batch_as_a_full_cuda_graph_replays_it():
 def test_entry_point_is_declared():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    assert project["project"]["entry-points"]["vllm.general_plugins"] == {"kvqc": "kvqc.vllm:register"}
+    assert project["project"]["entry-points"]["vllm.general_plugins"] == {"kvqc": "kvqc.engines.vllm:register"}
     assert callable(kv.register)
     assert not any("vllm" in dep for deps in project["project"].get("optional-dependencies", {}).values()
                    for dep in deps)  # never on an install path
@@ -226,7 +226,7 @@ def test_entry_point_is_declared():
 
 # ---------------------------------------------------------------------------------------------------- the vLLM glue
 
-# A stand-in of the vLLM 0.13 names kvqc.vllm uses, with their behaviour where kvqc relies on it (the spec classes'
+# A stand-in of the vLLM 0.13 names kvqc.engines.vllm uses, with their behaviour where kvqc relies on it (the spec classes'
 # merge and page size, the builder's cudagraph support, the registry's overrides), copied from vLLM 0.13's source.
 FAKE_VLLM = {
     "__init__.py": "__version__ = '0.13.0'\n",
@@ -366,7 +366,7 @@ def _forget_vllm() -> None:
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
-    """Import path with the stand-in vLLM package; kvqc.vllm's classes and state forgotten before and after."""
+    """Import path with the stand-in vLLM package; kvqc.engines.vllm's classes and state forgotten before and after."""
 
     def install(**changes) -> Path:
         root = tmp_path / f"site{len(list(tmp_path.iterdir()))}"
@@ -388,7 +388,7 @@ def test_register_and_run_through_the_classes(fake_vllm):
     from vllm.attention.layer import Attention
     from vllm.v1.core.single_type_kv_cache_manager import spec_manager_map
 
-    assert registry._ATTN_OVERRIDES == {registry.AttentionBackendEnum.CUSTOM: "kvqc.vllm.KVQCAttentionBackend"}
+    assert registry._ATTN_OVERRIDES == {registry.AttentionBackendEnum.CUSTOM: "kvqc.engines.vllm.KVQCAttentionBackend"}
     backend = kv.KVQCAttentionBackend
     spec_cls = kv.KVQCAttentionSpec
     assert spec_manager_map[spec_cls].__name__ == "FullAttentionManager"
@@ -461,19 +461,19 @@ def test_classes_pickle_by_qualified_name_into_a_fresh_process(fake_vllm):
                                 kvqc_bytes_per_token=54)
     for name in kv.CLASS_NAMES:
         cls = getattr(kv, name)
-        assert (cls.__module__, cls.__qualname__) == ("kvqc.vllm", name) and vars(kv)[name] is cls
+        assert (cls.__module__, cls.__qualname__) == ("kvqc.engines.vllm", name) and vars(kv)[name] is cls
         assert pickle.loads(pickle.dumps(cls)) is cls
-    assert kv.KVQCAttentionBackend.full_cls_name() == ("kvqc.vllm", "KVQCAttentionBackend")
+    assert kv.KVQCAttentionBackend.full_cls_name() == ("kvqc.engines.vllm", "KVQCAttentionBackend")
     assert pickle.loads(pickle.dumps(spec)) == spec
     script = (
         "import pickle, sys\n"
         "spec = pickle.loads(sys.stdin.buffer.read())\n"
-        "import kvqc.vllm\n"
-        "assert type(spec) is kvqc.vllm.KVQCAttentionSpec, type(spec)\n"
+        "import kvqc.engines.vllm\n"
+        "assert type(spec) is kvqc.engines.vllm.KVQCAttentionSpec, type(spec)\n"
         "from vllm.v1.kv_cache_interface import FullAttentionSpec\n"
         "assert isinstance(spec, FullAttentionSpec)\n"
         "print(type(spec).__qualname__, spec.page_size_bytes, spec.kvqc_bytes_per_token, hash(spec) == hash(\n"
-        "    kvqc.vllm.KVQCAttentionSpec(16, 2, 64, spec.dtype, kvqc_bytes_per_token=54)))\n"
+        "    kvqc.engines.vllm.KVQCAttentionSpec(16, 2, 64, spec.dtype, kvqc_bytes_per_token=54)))\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(Path(kv.__file__).parent.parent),
                                                        os.environ.get("PYTHONPATH", "")]))

@@ -1,6 +1,6 @@
 """Run a Hugging Face transformers model (5.x) on a kvqc quantized KV cache.
 
-    import kvqc.transformers as kq                      # registers the "kvqc" attention on import
+    import kvqc.engines.transformers as kq                      # registers the "kvqc" attention on import
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=kq.ATTENTION)   # or set_attn_implementation
     kq.check_model(model)                               # unsupported features fail here, in one line
     past = kq.cache("turbo_k4v2", model.config, backend="reference")                      # or "triton", "interpreter"
@@ -61,7 +61,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from . import modules
+from kvqc import modules
 
 ATTENTION = "kvqc"
 BACKENDS = ("triton", "interpreter", "reference")
@@ -101,7 +101,7 @@ class _Reference:
 
     def __init__(self, module: ModuleType):
         self.module = module
-        self.oracle = module.reference  # a kvqc.reference.Reference bound to the module's embedded scheme
+        self.oracle = module.reference  # a kvqc.oracle.reference.Reference bound to the module's embedded scheme
 
     def fill(self, cache, key, value, slots, window):
         self.oracle.fill(cache, key, value, slots, *window)
@@ -754,7 +754,7 @@ def attention(
     layer: _Layer | None = getattr(key, _LAYER_ATTR, None)
     if layer is None:
         raise RuntimeError(
-            f"attn_implementation={ATTENTION!r} needs a kvqc.transformers.cache(...) passed as cache= "
+            f"attn_implementation={ATTENTION!r} needs a kvqc.engines.transformers.cache(...) passed as cache= "
             "(past_key_values= before transformers 5.24) and use_cache=True"
         )
     delattr(key, _LAYER_ATTR)

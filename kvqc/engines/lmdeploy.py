@@ -1,7 +1,7 @@
 """LMDeploy's PyTorch-engine KV-cache kernels, backed by a kvqc generated module.
 
-    import kvqc.lmdeploy
-    uninstall = kvqc.lmdeploy.install("turbo_k4v2", quant_policy=42)   # before the pipeline is built
+    import kvqc.engines.lmdeploy
+    uninstall = kvqc.engines.lmdeploy.install("turbo_k4v2", quant_policy=42)   # before the pipeline is built
     pipe = lmdeploy.pipeline(model, backend_config=PytorchEngineConfig(quant_policy=42))
     ...
     uninstall()
@@ -52,7 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import paged, rotation
+from kvqc.engines import paged
+from kvqc.numerics import rotation
 
 LMDEPLOY_VERSION = "0.18"
 # quant_policy -> (key code bits, key metadata fields, value code bits, value metadata fields, kvqc scheme)
@@ -399,11 +400,11 @@ def install(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy
         package = importlib.import_module("lmdeploy.pytorch.kernels.cuda")
     except ImportError:
         raise ImportError(
-            f"kvqc.lmdeploy.install needs LMDeploy's PyTorch engine: pip install 'lmdeploy=={LMDEPLOY_VERSION}.*'"
+            f"kvqc.engines.lmdeploy.install needs LMDeploy's PyTorch engine: pip install 'lmdeploy=={LMDEPLOY_VERSION}.*'"
         ) from None
     version = getattr(sys.modules.get("lmdeploy"), "__version__", "unknown")
     if not str(version).startswith(LMDEPLOY_VERSION + "."):
-        warnings.warn(f"kvqc.lmdeploy follows lmdeploy {LMDEPLOY_VERSION}.x; found {version}", stacklevel=2)
+        warnings.warn(f"kvqc.engines.lmdeploy follows lmdeploy {LMDEPLOY_VERSION}.x; found {version}", stacklevel=2)
     undo: list[tuple[object, str, object]] = []  # (owner, attribute, previous value)
     originals = {name: getattr(package, name) for name in _KERNELS}
     for mod in [m for n, m in list(sys.modules.items()) if n == "lmdeploy" or n.startswith("lmdeploy.")]:

@@ -17,16 +17,15 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__, rotation
-from .layout import Layout, SideLayout, plan
-from .spec import Scheme, printable
+from kvqc import __version__
+from kvqc.numerics import rotation
+from kvqc.compiler.layout import Layout, SideLayout, plan
+from kvqc.compiler.spec import Scheme, printable
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
 def _environment() -> jinja2.Environment:
-    if not (TEMPLATES / "module.py.j2").is_file():
-        raise FileNotFoundError(f"kvqc templates not found in {TEMPLATES}; install kvqc from a checkout with `pip install -e .`")
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,

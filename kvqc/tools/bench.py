@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = "kvqc bench: needs a CUDA GPU (speed is measured on the GPU, never under the interpreter)"
 
 DEFAULT_BATCHES = (1, 8, 32)
@@ -48,7 +47,7 @@ DEVICE = "cuda"  # one place, so the pipeline can be smoke-tested on CPU under t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register bench's options, so `kvqc bench` and this module's main share them."""
     parser.add_argument("schemes", nargs="*", metavar="SCHEME",
-                        help="scheme names or files (default: every generated module for schemes/*.yaml)")
+                        help="scheme names or files (default: every shipped scheme)")
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 8 32)")
     parser.add_argument("--context", type=int, nargs="+",
                         help="context lengths (default: 1024 8192 32768, plus 131072 at batch 1)")
@@ -88,8 +87,8 @@ def shapes(batches: list[int] | None, contexts: list[int] | None, head_dims: lis
 
 
 def resolve_modules(args: list[str]) -> list[Path]:
-    """The generated module file per SCHEME argument (default: one per schemes/*.yaml), through kvqc.modules."""
-    from .modules import SCHEMES, resolve
+    """The generated module file per SCHEME argument (default: one per shipped scheme), through kvqc.modules."""
+    from kvqc.modules import SCHEMES, resolve
 
     return [resolve(arg) for arg in (args or sorted(p.stem for p in SCHEMES.glob("*.yaml")))]
 
@@ -587,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
            "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"], "decode_only": args.decode_only}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
     rows: list[dict] = []
-    from .modules import load
+    from kvqc.modules import load
 
     for path in modules:
         name = path.stem.split("-")[0]  # a module rendered from a .yaml is cached as <name>-<hash>.py

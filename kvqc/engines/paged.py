@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from . import modules
+from kvqc import modules
 
 
 def load_module(module_or_name: ModuleType | str | Path) -> ModuleType:

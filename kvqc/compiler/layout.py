@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import rotation
-from .spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
+from kvqc.numerics import rotation
+from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class SideLayout:
             return None
         if cb.centroids is not None:
             return cb.centroids
-        from . import codebooks  # the solver runs at build time only
+        from kvqc.numerics import codebooks  # the solver runs at build time only
 
         d = self.part_dim(head_dim)
         return codebooks.lloyd_max(cb.bits, cb.law, d if cb.law == "sphere" else None).centroids

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from . import rotation
-from .layout import SideLayout, plan
-from .spec import FP8_FORMATS, FP8_TARGET, Scheme, scheme_from_dict
+from kvqc.numerics import rotation
+from kvqc.compiler.layout import SideLayout, plan
+from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, scheme_from_dict
 
 
 @dataclass

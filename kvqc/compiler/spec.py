@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from . import rotation
-from .files import read_regular
+from kvqc.numerics import rotation
+from kvqc.files import read_regular
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 * 1024

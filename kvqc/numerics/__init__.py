@@ -1,0 +1,1 @@
+"""Build-time numerics shared by the compiler and the oracle: rotations and codebooks."""

@@ -3,7 +3,7 @@
 Each run is one (cache, mode, batch, prompt length) in its own process, so CUDA context, peak memory and the KV
 pool LMDeploy sizes from free memory belong to that run alone. Caches: LMDeploy fp16 (quant_policy 0), LMDeploy
 TurboQuant (quant_policy 42), and kvqc's turbo_k4v2 (42), int4_token (4), int8_token (8) put in with
-`kvqc.lmdeploy.install` before `pipeline(...)`. Modes: CUDA graphs (LMDeploy's default) and eager_mode=True.
+`kvqc.engines.lmdeploy.install` before `pipeline(...)`. Modes: CUDA graphs (LMDeploy's default) and eager_mode=True.
 The model is a random-weight Hugging Face Llama built once into --model-cache (throughput does not depend on the
 weights); prompts are random token ids of exact length, passed to the engine as input_ids.
 
@@ -210,9 +210,9 @@ def run_one(spec: dict) -> dict:
 
     policy, scheme = CACHES[spec["cache"]]
     if scheme:
-        import kvqc.lmdeploy
+        from kvqc.engines import lmdeploy as kvqc_lmdeploy
         # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
-        kvqc.lmdeploy.install(scheme, quant_policy=policy, allow_incompatible=policy not in kvqc.lmdeploy.BYTE_COMPATIBLE)
+        kvqc_lmdeploy.install(scheme, quant_policy=policy, allow_incompatible=policy not in kvqc_lmdeploy.BYTE_COMPATIBLE)
     length, batch, new = spec["prompt"], spec["batch"], spec["new_tokens"]
     block = 64  # LMDeploy's default block_size; session_len rounded up to whole blocks
     config = PytorchEngineConfig(

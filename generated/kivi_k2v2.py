@@ -1210,12 +1210,14 @@ def fill(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    window_index: torch.Tensor,
+    *,
+    positions: "torch.Tensor | None" = None,
+    window_index: "torch.Tensor | None" = None,
 ) -> None:
     """Quantize key/value [num_tokens, num_kv_heads, head_dim] into the cache at slot_mapping [num_tokens].
 
     slot = block * block_size + offset; a negative slot skips its token. Two tokens with one slot race.
+    Required, since the last WINDOW tokens of each sequence are kept in a ring:
     positions [num_tokens]: each token's position in its sequence (offset = position % block_size);
     window_index [num_tokens]: its sequence's ring row, 0..max_seqs-1, the same for the sequence's whole life.
     A sequence's tokens in one call must be consecutive and in position order, as engines lay out a batch, and
@@ -1223,6 +1225,7 @@ def fill(
     Key is quantized 32 tokens at a time, when the token at a position
     p with p % 32 == 31 arrives.
     """
+    _require("fill", positions=positions, window_index=window_index)
     _check_cache(cache)
     for name, t in (("key", key), ("value", value)):
         _check_tensor(name, t, cache.device, _FLOAT_DTYPES, ("num_tokens", cache.num_kv_heads, cache.head_dim))
@@ -1306,6 +1309,13 @@ def fill(
     )
 
 
+def _require(call: str, **arguments) -> None:
+    """A window scheme's fill, flatten, plan_decode, decode and attend need to know each token's ring row."""
+    for name, value in arguments.items():
+        if value is None:
+            raise ValueError(f"{call}: {SCHEME['name']} keeps each sequence's last {WINDOW} tokens in a ring: pass the {name} keyword")
+
+
 def _check_window_tokens(cache: KVCache, slot_mapping: torch.Tensor, positions: torch.Tensor, window_index: torch.Tensor) -> None:
     """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
     kept = slot_mapping >= 0
@@ -1338,8 +1348,8 @@ def flatten(
     cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    window_index: torch.Tensor,
     *,
+    window_index: "torch.Tensor | None" = None,
     out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
     start_loc: "torch.Tensor | None" = None,
 ) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -1348,13 +1358,14 @@ def flatten(
     By default the output is new tensors in the cache's dtype, sequences packed one after another
     (rows = sum(seq_lens)); their size is read on the host: seq_lens given on the cache's device waits for the GPU,
     given on the CPU (as engines keep it) nothing waits and one small copy takes it to the kernel.
-    A sequence's last WINDOW tokens come from its ring row window_index[b], as they were given.
+    window_index [batch] (required): each sequence's ring row; its last WINDOW tokens come from there, as given.
 
     out=(key, value) writes into an engine's buffers instead, each [rows, num_kv_heads, head_dim] with any row and
     head strides and a contiguous last dim (a [num_kv_heads, rows, head_dim] buffer transposed is one), sequence b
     from row start_loc[b] (default: packed from row 0); nothing is read on the host, rows past the buffers' end are
     not written, and the buffers are returned. Values are in the input basis.
     """
+    _require("flatten", window_index=window_index)
     _check_cache(cache)
     if out is None:
         if start_loc is not None:
@@ -1491,14 +1502,16 @@ def plan_decode(
     cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    window_index: torch.Tensor,
     num_q_heads: int,
     dtype: torch.dtype = torch.float16,
+    *,
+    window_index: "torch.Tensor | None" = None,
 ) -> DecodePlan:
     """The part of decode that depends on the batch alone, for every layer of a decode step to share:
     `plan = plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype)` once, then
     `decode(query, layer_cache, block_tables, seq_lens, plan=plan)` per layer with those same paging tensors and
-    caches of one shape. dtype is the query's. No host sync."""
+    caches of one shape. dtype is the query's. No host sync. window_index is required, as decode's."""
+    _require("plan_decode", window_index=window_index)
     _check_cache(cache)
     return _plan_decode(cache, block_tables, seq_lens, window_index, num_q_heads, dtype)
 
@@ -1560,19 +1573,20 @@ def decode(
     cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    window_index: torch.Tensor,
-    scale: "float | None" = None,
     *,
+    window_index: "torch.Tensor | None" = None,
+    scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
     num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to 1 / sqrt(head_dim). No host sync.
-    window_index [batch]: each sequence's ring row, whose last WINDOW tokens are attended unquantized; seq_lens
-    must be the number of tokens filled (a shorter one would read ring slots later tokens overwrote).
+    window_index [batch] (required): each sequence's ring row, whose last WINDOW tokens are attended unquantized;
+    seq_lens must be the number of tokens filled (a shorter one would read ring slots later tokens overwrote).
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
     """
+    _require("decode", window_index=window_index)
     _check_cache(cache)
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
@@ -1941,7 +1955,8 @@ def attend(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    window_index: torch.Tensor,
+    *,
+    window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
 ) -> torch.Tensor:
     """Causal attention of several new query tokens per sequence (chunked prefill, speculative verification).
@@ -1952,8 +1967,9 @@ def attend(
     [total_q, num_q_heads, head_dim] in query's dtype. Reads seq_lens and query_start_loc on the host.
 
     Implemented as flatten, then scaled_dot_product_attention per sequence: the dequantized K and V of the
-    batch (fp16: 4 bytes per coordinate) exist for the duration of the call.
+    batch (fp16: 4 bytes per coordinate) exist for the duration of the call. window_index as flatten's.
     """
+    _require("attend", window_index=window_index)
     _check_cache(cache)
     _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("total_q", "num_q_heads", cache.head_dim))
     _check_paging(cache, block_tables, seq_lens)
@@ -1974,7 +1990,7 @@ def attend(
     for i, n in enumerate(lens):
         if starts[i + 1] - starts[i] > n:
             raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
-    key, value = flatten(cache, block_tables, seq_lens, window_index)
+    key, value = flatten(cache, block_tables, seq_lens, window_index=window_index)
     out = torch.zeros_like(query)
     kv_start = 0
     for b, n in enumerate(lens):

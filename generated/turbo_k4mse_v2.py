@@ -1812,10 +1812,19 @@ def allocate_cache(
     )
 
 
-def fill(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def fill(
+    cache: KVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    positions: "torch.Tensor | None" = None,
+    window_index: "torch.Tensor | None" = None,
+) -> None:
     """Quantize key/value [num_tokens, num_kv_heads, head_dim] into the cache at slot_mapping [num_tokens].
 
     slot = block * block_size + offset; a negative slot skips its token. Two tokens with one slot race.
+    positions and window_index serve schemes with a recent-token window; this one has none and reads neither.
     """
     _check_cache(cache)
     for name, t in (("key", key), ("value", value)):
@@ -1876,6 +1885,7 @@ def flatten(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    window_index: "torch.Tensor | None" = None,
     out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
     start_loc: "torch.Tensor | None" = None,
     rotated: bool = False,
@@ -1885,6 +1895,7 @@ def flatten(
     By default the output is new tensors in the cache's dtype, sequences packed one after another
     (rows = sum(seq_lens)); their size is read on the host: seq_lens given on the cache's device waits for the GPU,
     given on the CPU (as engines keep it) nothing waits and one small copy takes it to the kernel.
+    window_index serves schemes with a recent-token window; this one has none and does not read it.
 
     out=(key, value) writes into an engine's buffers instead, each [rows, num_kv_heads, head_dim] with any row and
     head strides and a contiguous last dim (a [num_kv_heads, rows, head_dim] buffer transposed is one), sequence b
@@ -2045,6 +2056,8 @@ def plan_decode(
     seq_lens: torch.Tensor,
     num_q_heads: int,
     dtype: torch.dtype = torch.float16,
+    *,
+    window_index: "torch.Tensor | None" = None,
 ) -> DecodePlan:
     """The part of decode that depends on the batch alone, for every layer of a decode step to share:
     `plan = plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype)` once, then
@@ -2110,13 +2123,15 @@ def decode(
     cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: "float | None" = None,
     *,
+    window_index: "torch.Tensor | None" = None,
+    scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
     num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to 1 / sqrt(head_dim). No host sync.
+    window_index serves schemes with a recent-token window; this one has none and does not read it.
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
     """
@@ -2481,6 +2496,8 @@ def attend(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    *,
+    window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
 ) -> torch.Tensor:
     """Causal attention of several new query tokens per sequence (chunked prefill, speculative verification).
@@ -2491,7 +2508,7 @@ def attend(
     [total_q, num_q_heads, head_dim] in query's dtype. Reads seq_lens and query_start_loc on the host.
 
     Implemented as flatten, then scaled_dot_product_attention per sequence: the dequantized K and V of the
-    batch (fp16: 4 bytes per coordinate) exist for the duration of the call.
+    batch (fp16: 4 bytes per coordinate) exist for the duration of the call. window_index as flatten's.
     """
     _check_cache(cache)
     _check_tensor("query", query, cache.device, _FLOAT_DTYPES, ("total_q", "num_q_heads", cache.head_dim))
@@ -2513,7 +2530,7 @@ def attend(
     for i, n in enumerate(lens):
         if starts[i + 1] - starts[i] > n:
             raise ValueError(f"query_start_loc: sequence {i} has {starts[i + 1] - starts[i]} query tokens but seq_lens {n}")
-    key, value = flatten(cache, block_tables, seq_lens)
+    key, value = flatten(cache, block_tables, seq_lens, window_index=window_index)
     out = torch.zeros_like(query)
     kv_start = 0
     for b, n in enumerate(lens):

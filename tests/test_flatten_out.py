@@ -33,24 +33,20 @@ def filled(name: str, head_dim: int = 64, seed: int = 0):
     slot_mapping, positions, rows = torch.cat(slots), torch.cat(positions), torch.cat(rows)
     key = torch.randn(len(slot_mapping), HEADS, head_dim, device=DEVICE, dtype=torch.float16)
     value = torch.randn_like(key)
-    if window:
-        kv.fill(cache, key, value, slot_mapping, positions, rows)
-    else:
-        kv.fill(cache, key, value, slot_mapping)
+    kv.fill(cache, key, value, slot_mapping, positions=positions, window_index=rows)  # ignored without a window
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=DEVICE)
-    paging = (tables, seq_lens, torch.arange(3, device=DEVICE)) if window else (tables, seq_lens)
-    return kv, cache, paging, head_dim
+    return kv, cache, (tables, seq_lens), torch.arange(3, device=DEVICE) if window else None, head_dim
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_out_buffers_match_packed_flatten(name):
-    kv, cache, paging, d = filled(name)
-    key, value = kv.flatten(cache, *paging)
+    kv, cache, paging, ring, d = filled(name)
+    key, value = kv.flatten(cache, *paging, window_index=ring)
     rows = 64
     start_loc = torch.tensor([3, 20, 24], dtype=torch.int64, device=DEVICE)  # sequence 1 is empty at row 20
     k_out = torch.full((HEADS, rows, d), 7.0, dtype=torch.float16, device=DEVICE)  # LMDeploy's 'hsd'
     v_out = torch.full_like(k_out, 7.0)
-    got = kv.flatten(cache, *paging, out=(k_out.transpose(0, 1), v_out.transpose(0, 1)), start_loc=start_loc)
+    got = kv.flatten(cache, *paging, window_index=ring, out=(k_out.transpose(0, 1), v_out.transpose(0, 1)), start_loc=start_loc)
     assert got[0].data_ptr() == k_out.data_ptr()
     placed = torch.zeros(rows, dtype=torch.bool)
     at = 0
@@ -65,20 +61,20 @@ def test_out_buffers_match_packed_flatten(name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_out_default_start_is_packed_and_rows_past_the_end_are_not_written(name):
-    kv, cache, paging, d = filled(name)
-    key, _ = kv.flatten(cache, *paging)
+    kv, cache, paging, ring, d = filled(name)
+    key, _ = kv.flatten(cache, *paging, window_index=ring)
     short = 20  # sequence 2's 37 tokens would start at row 5 and run past row 20
     k_out = torch.full((short, HEADS, d), 7.0, dtype=torch.float16, device=DEVICE)
     v_out = torch.full_like(k_out, 7.0)
-    kv.flatten(cache, *paging, out=(k_out, v_out))
+    kv.flatten(cache, *paging, window_index=ring, out=(k_out, v_out))
     torch.testing.assert_close(k_out, key[:short], rtol=0, atol=0)
 
 
 def test_rotated_basis_is_the_rotation_of_the_input_basis():
-    kv, cache, paging, d = filled("turbo_k4v2")
-    key, value = kv.flatten(cache, *paging)
+    kv, cache, paging, ring, d = filled("turbo_k4v2")
+    key, value = kv.flatten(cache, *paging, window_index=ring)
     k_rot, v_rot = (torch.empty(key.shape[0], HEADS, d, dtype=torch.float32, device=DEVICE) for _ in range(2))
-    kv.flatten(cache, *paging, out=(k_rot, v_rot), rotated=True)
+    kv.flatten(cache, *paging, window_index=ring, out=(k_rot, v_rot), rotated=True)
     for x, r, side in ((key, k_rot, "key"), (value, v_rot, "value")):
         want = x.float() @ kv.rotation(side, d, DEVICE).t()
         torch.testing.assert_close(r, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
@@ -100,7 +96,7 @@ def test_rotation_is_offered_only_where_flatten_can_skip_the_way_back():
     ],
 )
 def test_bad_out_arguments_are_refused_by_name(out, start_loc, message):
-    kv, cache, paging, d = filled("int8_token")
+    kv, cache, paging, ring, d = filled("int8_token")
     good = torch.zeros(64, HEADS, d, dtype=torch.float16, device=DEVICE)
     outs = {
         None: None,
@@ -112,4 +108,4 @@ def test_bad_out_arguments_are_refused_by_name(out, start_loc, message):
     starts = {None: None, "wrong": torch.zeros(2, dtype=torch.int64, device=DEVICE),
               "given": torch.zeros(3, dtype=torch.int64, device=DEVICE)}
     with pytest.raises(ValueError, match=re.escape(message)):
-        kv.flatten(cache, *paging, out=outs[out], start_loc=starts[start_loc])
+        kv.flatten(cache, *paging, window_index=ring, out=outs[out], start_loc=starts[start_loc])

@@ -65,16 +65,14 @@ def _everything(m, head_dim: int, block_size: int, lens: list, dtype: torch.dtyp
     slots = torch.cat([bench.slot_mapping(block_tables[i:i + 1], n, block_size) for i, n in enumerate(lens)])
     key = torch.randn(slots.numel(), kv_heads, head_dim, dtype=dtype, device=DEVICE)
     value = torch.randn_like(key)
-    rows = ()
-    if hasattr(m, "WINDOW"):
-        positions = torch.cat([torch.arange(n, device=DEVICE) for n in lens])
-        rows = (positions, torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(lens)]))
-    m.fill(cache, key, value, slots, *rows)
+    positions = torch.cat([torch.arange(n, device=DEVICE) for n in lens])
+    rows = torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(lens)])
+    m.fill(cache, key, value, slots, positions=positions, window_index=rows)  # a windowless scheme ignores them
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    ring = (torch.arange(batch, device=DEVICE),) if hasattr(m, "WINDOW") else ()
+    ring = torch.arange(batch, device=DEVICE)
     buffer = torch.randn(batch * q_heads * head_dim + 1, dtype=dtype, device=DEVICE)
-    out = [m.decode(q.view(batch, q_heads, head_dim), cache, block_tables, seq_lens, *ring) for q in (buffer[:-1], buffer[1:])]
-    out += list(m.flatten(cache, block_tables, seq_lens, *ring))
+    out = [m.decode(q.view(batch, q_heads, head_dim), cache, block_tables, seq_lens, window_index=ring) for q in (buffer[:-1], buffer[1:])]
+    out += list(m.flatten(cache, block_tables, seq_lens, window_index=ring))
     return out + [getattr(cache, field) for field in bench._fields(cache)]
 
 

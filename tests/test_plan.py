@@ -25,7 +25,7 @@ def layers(name: str, count: int = 3, dtype=torch.float16):
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEVICE)
     slots = torch.cat([bench.slot_mapping(block_tables[i : i + 1], n, BLOCK_SIZE) for i, n in enumerate(LENS)])
     window = hasattr(m, "WINDOW")
-    ring = (torch.arange(batch, device=DEVICE),) if window else ()
+    ring = torch.arange(batch, device=DEVICE) if window else None  # window_index: sequence b keeps ring row b
     caches, queries = [], []
     for layer in range(count):
         torch.manual_seed(layer)
@@ -35,23 +35,21 @@ def layers(name: str, count: int = 3, dtype=torch.float16):
         value = torch.randn_like(key)
         if hasattr(m, "calibrate"):
             m.calibrate(cache, key, value)
-        extra = ()
-        if window:
-            positions = torch.cat([torch.arange(n, device=DEVICE) for n in LENS])
-            extra = (positions, torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(LENS)]))
-        m.fill(cache, key, value, slots, *extra)
+        positions = torch.cat([torch.arange(n, device=DEVICE) for n in LENS])
+        rows = torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(LENS)])
+        m.fill(cache, key, value, slots, positions=positions, window_index=rows)  # a windowless scheme ignores them
         caches.append(cache)
         queries.append(torch.randn(batch, Q_HEADS, head_dim, dtype=dtype, device=DEVICE))
-    return m, caches, queries, (block_tables, seq_lens, *ring)
+    return m, caches, queries, (block_tables, seq_lens), ring
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_planned_layers_decode_what_unplanned_calls_decode(name):
-    m, caches, queries, paging = layers(name)
-    want = [m.decode(q, c, *paging) for q, c in zip(queries, caches)]
-    plan = m.plan_decode(caches[0], *paging, Q_HEADS, queries[0].dtype)
+    m, caches, queries, paging, ring = layers(name)
+    want = [m.decode(q, c, *paging, window_index=ring) for q, c in zip(queries, caches)]
+    plan = m.plan_decode(caches[0], *paging, Q_HEADS, queries[0].dtype, window_index=ring)
     for _ in range(2):  # a second step through the same plan: its launchers are found by now
-        got = [m.decode(q, c, *paging, plan=plan) for q, c in zip(queries, caches)]
+        got = [m.decode(q, c, *paging, window_index=ring, plan=plan) for q, c in zip(queries, caches)]
         for layer, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{name}: layer {layer} differs with a plan"
     if DEVICE.type == "cuda":
@@ -59,7 +57,7 @@ def test_planned_layers_decode_what_unplanned_calls_decode(name):
 
 
 def test_a_plan_refuses_what_it_was_not_made_for():
-    m, caches, queries, paging = layers("int4_token", count=1)
+    m, caches, queries, paging, _ = layers("int4_token", count=1)
     plan = m.plan_decode(caches[0], *paging, Q_HEADS, torch.float16)
     block_tables, seq_lens = paging
     with pytest.raises(ValueError, match="plan: made for other block_tables"):
@@ -82,14 +80,13 @@ def test_graph_padded_block_tables_change_nothing(name):
     """Engines capture decode with block tables as wide as their whole pool (LMDeploy: every block) and replay it
     over any lengths: the split plan follows seq_lens in the kernel and flatten's programs stride over the tiles,
     so padding columns change no result (their cost shows in benchmarks/lmdeploy_engine.py)."""
-    m, caches, queries, paging = layers(name, count=1)
-    block_tables, seq_lens, *ring = paging
+    m, caches, queries, (block_tables, seq_lens), ring = layers(name, count=1)
     padded = torch.zeros(block_tables.shape[0], 4096, dtype=block_tables.dtype, device=DEVICE)
     padded[:, : block_tables.shape[1]] = block_tables
-    want = m.decode(queries[0], caches[0], block_tables, seq_lens, *ring)
-    got = m.decode(queries[0], caches[0], padded, seq_lens, *ring)
+    want = m.decode(queries[0], caches[0], block_tables, seq_lens, window_index=ring)
+    got = m.decode(queries[0], caches[0], padded, seq_lens, window_index=ring)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    key, value = m.flatten(caches[0], block_tables, seq_lens, *ring)
+    key, value = m.flatten(caches[0], block_tables, seq_lens, window_index=ring)
     k_out, v_out = torch.empty_like(key), torch.empty_like(value)
-    m.flatten(caches[0], padded, seq_lens, *ring, out=(k_out, v_out))
+    m.flatten(caches[0], padded, seq_lens, window_index=ring, out=(k_out, v_out))
     assert torch.equal(k_out, key) and torch.equal(v_out, value)

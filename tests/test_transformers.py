@@ -359,7 +359,7 @@ def test_window_scheme_in_a_left_padded_batch(tiny, backend):
     torch.testing.assert_close(stored[0][0][-16:].cpu(), key[0, :, -16:].transpose(0, 1).cpu(), rtol=0, atol=0)
     assert not torch.equal(stored[0][1][:16].cpu(), torch.cat([v for _, v in seen[0]], dim=2)[0, :, :16].transpose(0, 1).cpu())
     ref_k, ref_v = layer.module.reference.flatten(layer.cache, layer.block_tables, layer.seq_lens_tensor(),
-                                                  torch.arange(2, device=DEVICE))
+                                                  window_index=torch.arange(2, device=DEVICE))
     torch.testing.assert_close(torch.cat([k for k, _ in stored]).cpu().double(), ref_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([v for _, v in stored]).cpu().double(), ref_v, rtol=1e-5, atol=1e-5)
     for row, ids in enumerate((a, b)):

@@ -81,6 +81,12 @@ class Engine:
         return self.block_tables.to(DEVICE), torch.tensor(self.done, dtype=torch.int32, device=DEVICE), self.rows.to(DEVICE)
 
 
+def fill(target, cache, call: tuple) -> None:
+    """target.fill (a module's or its reference's) with the tokens of an Engine.call."""
+    key, value, slot_mapping, positions, rows = call
+    target.fill(cache, key, value, slot_mapping, positions=positions, window_index=rows)
+
+
 def check_same_cache(m, got, want, head_dim):
     for side in ("key", "value"):
         ring_got, ring_want = getattr(got, f"{side}_window").cpu(), getattr(want, f"{side}_window").cpu()
@@ -133,13 +139,13 @@ def test_window_kernels_match_reference(name, c):
     # A first chunk as long as the longest sequence would be one prefill; the drawn chunks, then single tokens.
     for chunk in c["chunks"] + [1, 1] + [max(lens)]:
         args = e.call(chunk)
-        m.fill(cache, *args)
-        m.reference.fill(want, *args)
+        fill(m, cache, args)
+        fill(m.reference, want, args)
     check_same_cache(m, cache, want, head_dim)
     block_tables, seq_lens, rows = e.paging()
 
-    key, value = m.flatten(cache, block_tables, seq_lens, rows)
-    want_key, want_value = m.reference.flatten(cache, block_tables, seq_lens, rows)
+    key, value = m.flatten(cache, block_tables, seq_lens, window_index=rows)
+    want_key, want_value = m.reference.flatten(cache, block_tables, seq_lens, window_index=rows)
     assert key.shape == want_key.shape and key.dtype == c["dtype"]
     if key.numel():
         assert rel_err(key, want_key) < OUT_RTOL[c["dtype"]]
@@ -149,7 +155,7 @@ def test_window_kernels_match_reference(name, c):
     k_rms = float(torch.cat(e.key).pow(2).mean().sqrt())
     query = (torch.randn(len(lens), c["group"] * c["num_kv_heads"], head_dim, generator=g) * 4 / k_rms)
     query = query.to(c["dtype"]).to(DEVICE)
-    out = m.decode(query, cache, block_tables, seq_lens, rows)
+    out = m.decode(query, cache, block_tables, seq_lens, window_index=rows)
     want_out = m.reference.decode(query, cache, block_tables, seq_lens, window_index=rows)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert rel_err(out, want_out) < OUT_RTOL[c["dtype"]]
@@ -161,11 +167,11 @@ def test_tokens_in_the_window_come_back_as_given(name):
     d = m.HEAD_DIMS[0]
     e = Engine(m, d, 64, 2, [m.WINDOW, 5, m.WINDOW + 37], torch.float16, 0)
     cache = e.allocate()
-    m.fill(cache, *e.call(1000))
+    fill(m, cache, e.call(1000))
     block_tables, seq_lens, rows = e.paging()
-    key, value = m.flatten(cache, block_tables, seq_lens, rows)
+    key, value = m.flatten(cache, block_tables, seq_lens, window_index=rows)
     # seq_lens on the host (as engines keep it) reads the same.
-    host_key, host_value = m.flatten(cache, block_tables, seq_lens.cpu(), rows)
+    host_key, host_value = m.flatten(cache, block_tables, seq_lens.cpu(), window_index=rows)
     assert torch.equal(host_key, key) and torch.equal(host_value, value)
     n = m.WINDOW + 5
     # Sequences within the window: exactly the input. The third: its last WINDOW tokens exactly, the rest not.
@@ -175,7 +181,7 @@ def test_tokens_in_the_window_come_back_as_given(name):
     assert not torch.equal(key[n : n + 37].cpu(), e.key[2][:37].half())
     # Decode over the first two is fp16 attention over the raw tokens.
     query = torch.randn(3, 4, d).half().to(DEVICE)
-    out = m.decode(query, cache, block_tables, seq_lens, rows)
+    out = m.decode(query, cache, block_tables, seq_lens, window_index=rows)
     for b in range(2):
         k = e.key[b].half().float().repeat_interleave(2, dim=1).transpose(0, 1)
         v = e.value[b].half().float().repeat_interleave(2, dim=1).transpose(0, 1)
@@ -191,11 +197,11 @@ def test_token_by_token_fill_equals_one_fill(name):
     lens = [3 * m.WINDOW + 11, 50]
     one, steps = Engine(m, d, 64, 1, lens, torch.float16, 7), Engine(m, d, 64, 1, lens, torch.float16, 7)
     a, b = one.allocate(), steps.allocate()
-    m.fill(a, *one.call(10_000))
-    m.fill(b, *steps.call(m.WINDOW // 2 + 1))
+    fill(m, a, one.call(10_000))
+    fill(m, b, steps.call(m.WINDOW // 2 + 1))
     for _ in range(m.WINDOW + 3):
-        m.fill(b, *steps.call(1))
-    m.fill(b, *steps.call(10_000))
+        fill(m, b, steps.call(1))
+    fill(m, b, steps.call(10_000))
     for field in ("key_codes", "key_meta", "value_codes", "value_meta", "key_window", "value_window"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
 
@@ -211,25 +217,37 @@ def test_window_arguments_are_checked(name, monkeypatch):
     cache = e.allocate()
     k, v, slots, positions, rows = e.call(10)
     with pytest.raises(ValueError, match="^window_index: "):
-        m.fill(cache, k, v, slots, positions, torch.full_like(rows, 99))
+        m.fill(cache, k, v, slots, positions=positions, window_index=torch.full_like(rows, 99))
     swap = torch.arange(len(slots), device=slots.device)
     swap[:2] = swap[:2].flip(0)
     with pytest.raises(ValueError, match="^positions: "):
-        m.fill(cache, k, v, slots[swap], positions[swap], rows)
+        m.fill(cache, k, v, slots[swap], positions=positions[swap], window_index=rows)
     with pytest.raises(ValueError, match="^slot_mapping: "):
-        m.fill(cache, k, v, slots, positions + 1, rows)
+        m.fill(cache, k, v, slots, positions=positions + 1, window_index=rows)
     with pytest.raises(ValueError, match="^window_index: "):
         shuffled = torch.cat([rows[:3], rows[10:13], rows[3:10], rows[13:]])
         m.fill(cache, k, v, torch.cat([slots[:3], slots[10:13], slots[3:10], slots[13:]]),
-               torch.cat([positions[:3], positions[10:13], positions[3:10], positions[13:]]), shuffled)
+               positions=torch.cat([positions[:3], positions[10:13], positions[3:10], positions[13:]]), window_index=shuffled)
     with pytest.raises(ValueError, match="^positions: "):
-        m.fill(cache, k, v, slots, positions.to(torch.float32), rows)
-    m.fill(cache, k, v, slots, positions, rows)
+        m.fill(cache, k, v, slots, positions=positions.to(torch.float32), window_index=rows)
+    for target in (m, m.reference):  # the keywords a window needs: one line naming the call and the keyword
+        with pytest.raises(ValueError, match=f"^fill: {name} keeps each sequence's last {m.WINDOW} tokens in a ring: "
+                                             "pass the positions keyword$"):
+            target.fill(cache, k, v, slots, window_index=rows)
+    m.fill(cache, k, v, slots, positions=positions, window_index=rows)
     block_tables, seq_lens, rows = e.paging()
+    query = torch.zeros(2, 1, d, dtype=torch.float16, device=DEVICE)
+    for call, run in [("flatten", lambda: m.flatten(cache, block_tables, seq_lens)),
+                      ("decode", lambda: m.decode(query, cache, block_tables, seq_lens, scale=0.5)),
+                      ("plan_decode", lambda: m.plan_decode(cache, block_tables, seq_lens, 1)),
+                      ("attend", lambda: m.attend(query, cache, block_tables, seq_lens, seq_lens.new_tensor([0, 1, 2]))),
+                      ("decode", lambda: m.reference.decode(query, cache, block_tables, seq_lens))]:
+        with pytest.raises(ValueError, match=f"^{call}: {name} keeps .* pass the window_index keyword$"):
+            run()
     with pytest.raises(ValueError, match="^window_index: "):
-        m.decode(torch.zeros(2, 1, d, dtype=torch.float16, device=DEVICE), cache, block_tables, seq_lens, rows[:1])
+        m.decode(torch.zeros(2, 1, d, dtype=torch.float16, device=DEVICE), cache, block_tables, seq_lens, window_index=rows[:1])
     with pytest.raises(ValueError, match="^window_index: "):
-        m.flatten(cache, block_tables, seq_lens, rows + 5)
+        m.flatten(cache, block_tables, seq_lens, window_index=rows + 5)
     groups = group_tokens(m)
     if groups > 1:
         with pytest.raises(ValueError, match="^block_size: "):
@@ -242,10 +260,10 @@ def test_lazy_rescale_matches_eager(monkeypatch):
     m = generated("kivi_k2v2")
     e = Engine(m, m.HEAD_DIMS[0], max(16, group_tokens(m)), 2, [m.WINDOW + 150, 40], torch.float32, 5)
     cache = e.allocate()
-    m.fill(cache, *e.call(m.WINDOW + 150))
+    fill(m, cache, e.call(m.WINDOW + 150))
     block_tables, seq_lens, rows = e.paging()
     g = torch.Generator().manual_seed(6)
     k_rms = float(torch.cat(e.key).pow(2).mean().sqrt())
     query = (torch.randn(2, 8, m.HEAD_DIMS[0], generator=g) * 4 / k_rms).to(DEVICE)
     want = m.reference.decode(query, cache, block_tables, seq_lens, window_index=rows)
-    check_lazy_matches_eager(m, monkeypatch, lambda: m.decode(query, cache, block_tables, seq_lens, rows), want)
+    check_lazy_matches_eager(m, monkeypatch, lambda: m.decode(query, cache, block_tables, seq_lens, window_index=rows), want)

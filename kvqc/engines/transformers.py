@@ -76,24 +76,23 @@ _INITIAL_BLOCKS_PER_SEQ = 4
 
 
 class _Kernels:
-    """fill / flatten / decode of a generated module, compiled or interpreted. `window` holds (positions, ring
-    rows) for fill and the ring rows for flatten and decode: what a scheme with a recent-token window takes."""
+    """fill / flatten / decode of a generated module, compiled or interpreted. positions and the ring rows are
+    passed always: a scheme with a recent-token window needs them, the others ignore them."""
 
     def __init__(self, module: ModuleType):
         self.module = module
-        self.windowed = hasattr(module, "WINDOW")
 
-    def fill(self, cache, key, value, slots, window):
-        self.module.fill(cache, key, value, slots, *(window if self.windowed else ()))
+    def fill(self, cache, key, value, slots, positions, rows):
+        self.module.fill(cache, key, value, slots, positions=positions, window_index=rows)
 
     def calibrate(self, cache, key, value):
         self.module.calibrate(cache, key, value)
 
     def flatten(self, cache, block_tables, seq_lens, rows):
-        return self.module.flatten(cache, block_tables, seq_lens, *((rows,) if self.windowed else ()))
+        return self.module.flatten(cache, block_tables, seq_lens, window_index=rows)
 
     def decode(self, query, cache, block_tables, seq_lens, scale, rows):
-        return self.module.decode(query, cache, block_tables, seq_lens, *((rows,) if self.windowed else ()), scale=scale)
+        return self.module.decode(query, cache, block_tables, seq_lens, window_index=rows, scale=scale)
 
 
 class _Reference:
@@ -103,14 +102,14 @@ class _Reference:
         self.module = module
         self.oracle = module.reference  # a kvqc.oracle.reference.Reference bound to the module's embedded scheme
 
-    def fill(self, cache, key, value, slots, window):
-        self.oracle.fill(cache, key, value, slots, *window)
+    def fill(self, cache, key, value, slots, positions, rows):
+        self.oracle.fill(cache, key, value, slots, positions=positions, window_index=rows)
 
     def calibrate(self, cache, key, value):
         self.oracle.calibrate(cache, key, value)
 
     def flatten(self, cache, block_tables, seq_lens, rows):
-        k, v = self.oracle.flatten(cache, block_tables, seq_lens, rows)
+        k, v = self.oracle.flatten(cache, block_tables, seq_lens, window_index=rows)
         return k.to(device=cache.device, dtype=cache.dtype), v.to(device=cache.device, dtype=cache.dtype)
 
     def decode(self, query, cache, block_tables, seq_lens, scale, rows):
@@ -389,7 +388,7 @@ class QuantizedLayer(_Layer):
             # (the prompt's), padding excluded.
             kept = keep.reshape(-1).to(self.device)
             self.ops.calibrate(self.cache, k[kept], v[kept])
-        self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device), (positions, rows))
+        self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device), positions, rows)
 
     def flatten(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's dequantized K and V one after another: [sum(seq_lens), num_kv_heads, head_dim] each."""

@@ -377,10 +377,12 @@ class Reference:
         key: torch.Tensor,
         value: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
         positions: torch.Tensor | None = None,
         window_index: torch.Tensor | None = None,
     ) -> None:
         """Tokens are taken one after another, in the order given: the definition the kernels must match."""
+        self._require("fill", positions=positions, window_index=window_index)
         keep = (slot_mapping >= 0).cpu()
         slots = slot_mapping.cpu()[keep].to(torch.int64)
         block_size = self._blocks(cache, "key")[0].shape[1]
@@ -417,6 +419,13 @@ class Reference:
                         codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
                         meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
 
+    def _require(self, call: str, **arguments) -> None:
+        """The module's arguments, with its rule: a window scheme needs every token's ring row."""
+        for name, value in arguments.items():
+            if self.scheme.window and value is None:
+                raise ValueError(f"{call}: {self.scheme.name} keeps each sequence's last {self.scheme.window} tokens "
+                                 f"in a ring: pass the {name} keyword")
+
     def gather(
         self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None,
         part: bool = False,
@@ -452,7 +461,10 @@ class Reference:
             x = torch.cat([x, ring[recent]])
         return x
 
-    def flatten(self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, window_index=None):
+    def flatten(
+        self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, window_index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require("flatten", window_index=window_index)
         keys, values = [], []
         rows = window_index.tolist() if window_index is not None else [None] * len(seq_lens)
         for table, n, r in zip(block_tables.cpu(), seq_lens.tolist(), rows):
@@ -462,10 +474,11 @@ class Reference:
         return (torch.cat(keys) if keys else empty), (torch.cat(values) if values else empty)
 
     def decode(
-        self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale=None,
-        window_index=None,
-    ):
+        self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+        window_index: torch.Tensor | None = None, scale: float | None = None,
+    ) -> torch.Tensor:
         """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros."""
+        self._require("decode", window_index=window_index)
         batch, num_q_heads, d = query.shape
         group = num_q_heads // self._blocks(cache, "key")[0].shape[2]
         scale = 1 / math.sqrt(d) if scale is None else scale

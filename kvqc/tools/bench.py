@@ -238,17 +238,17 @@ def _allocate(module: ModuleType, num_blocks: int, block_size: int, kv_heads: in
     return cache
 
 
-def _rows(module: ModuleType, batch: int) -> tuple:
-    """The ring rows decode, flatten and attend take for a window scheme (sequence b: row b); () otherwise."""
-    return (torch.arange(batch, device=DEVICE),) if hasattr(module, "WINDOW") else ()
+def _rows(module: ModuleType, batch: int) -> dict:
+    """The ring rows decode, flatten and attend take for a window scheme (sequence b: row b), as keywords."""
+    return {"window_index": torch.arange(batch, device=DEVICE)} if hasattr(module, "WINDOW") else {}
 
 
-def _token_rows(module: ModuleType, batch: int, seq_len: int) -> tuple:
-    """positions and ring rows of the tokens slot_mapping lists, for a window scheme's fill; () otherwise."""
+def _token_rows(module: ModuleType, batch: int, seq_len: int) -> dict:
+    """positions and ring rows of the tokens slot_mapping lists, for a window scheme's fill, as keywords."""
     if not hasattr(module, "WINDOW"):
-        return ()
+        return {}
     positions = torch.arange(seq_len, device=DEVICE).repeat(batch)
-    return positions, torch.arange(batch, device=DEVICE).repeat_interleave(seq_len)
+    return {"positions": positions, "window_index": torch.arange(batch, device=DEVICE).repeat_interleave(seq_len)}
 
 
 def _block_tables(batch: int, blocks_per_seq: int) -> torch.Tensor:
@@ -273,7 +273,7 @@ def _populate(module: ModuleType, cache, block_tables: torch.Tensor, seq_len: in
         part = slots[start:start + chunk]
         key = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
         value = torch.randn(part.numel(), h, d, dtype=torch.float16, device=DEVICE)
-        module.fill(cache, key, value, part, *(t[start:start + chunk] for t in window))
+        module.fill(cache, key, value, part, **{k: t[start:start + chunk] for k, t in window.items()})
 
 
 def _clone_cache(module: ModuleType, cache):
@@ -318,35 +318,35 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
 
     # Correctness first: decode against SDPA over the same dequantized cache isolates kernel error from
     # quantization error.
-    key, value = module.flatten(cache, block_tables, seq_lens, *rows)
+    key, value = module.flatten(cache, block_tables, seq_lens, **rows)
     want = sdpa(query.unsqueeze(2), _as_bhnd(key, b, n), _as_bhnd(value, b, n)).squeeze(2)
     del key, value
-    got = module.decode(query, cache, block_tables, seq_lens, *rows)
+    got = module.decode(query, cache, block_tables, seq_lens, **rows)
     row["rel_err"] = rel_l2(got, want)
     del got, want
 
     # Scratch: what one decode call allocates beyond the cache and its inputs (the warm call above built its tables).
-    row["scratch_mib"] = _scratch_mib(lambda: module.decode(query, cache, block_tables, seq_lens, *rows))
+    row["scratch_mib"] = _scratch_mib(lambda: module.decode(query, cache, block_tables, seq_lens, **rows))
 
     # Decode and flatten over rotating cache copies.
     caches = [cache] + [_clone_cache(module, cache) for _ in range(copies - 1)]
     row["copies"] = {"kvqc": copies}
-    decode_call = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows), [(c,) for c in caches])
+    decode_call = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, **rows), [(c,) for c in caches])
     row["kvqc_ms"] = _bench(decode_call)
     row["kvqc_graph_ms"] = graph_ms(decode_call, copies)
     # An eager engine's decode step: one plan for the batch, then a call per layer (the cache copies stand in for
     # layers). Host time is what a call costs the CPU, the GPU's work overlapping it.
     row["host_us"] = host_us(decode_call)
     if hasattr(module, "plan_decode"):  # a module built before decode's plan/run split has none
-        plan = module.plan_decode(cache, block_tables, seq_lens, *rows, hq, query.dtype)
-        planned = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *rows, plan=plan),
+        plan = module.plan_decode(cache, block_tables, seq_lens, hq, query.dtype, **rows)
+        planned = _rotating(lambda c: module.decode(query, c, block_tables, seq_lens, **rows, plan=plan),
                             [(c,) for c in caches])
         row["kvqc_plan_ms"] = _bench(planned)
         row["plan_host_us"] = host_us(planned)
     if not cfg.get("decode_only"):
         # flatten sizes its output by sum(seq_lens): given on the host, as engines keep it, nothing waits for the GPU.
         host_lens = seq_lens.cpu()
-        row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, host_lens, *rows),
+        row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, host_lens, **rows),
                                              [(c,) for c in caches]))
         if hasattr(module, "attend"):
             _measure_attend(module, row, caches, block_tables, seq_lens, hq)
@@ -387,8 +387,8 @@ def _measure_attend(module: ModuleType, row: dict, caches: list, block_tables: t
     starts = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32, device=DEVICE)
     row["attend_tokens"] = q_len
     rows = _rows(module, b)
-    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts, *rows))
-    row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts, *rows),
+    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts, **rows))
+    row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts, **rows),
                                         [(c,) for c in caches]))
 
 
@@ -423,8 +423,7 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
         cache = _allocate(module, b * blocks_per_seq, bs, hkv, d, b, cfg.get("layout", "bhsd"))
         key = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
         value = torch.randn(tokens, hkv, d, dtype=torch.float16, device=DEVICE)
-        return (cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs),
-                *_token_rows(module, b, per_seq))
+        return cache, key, value, slot_mapping(_block_tables(b, blocks_per_seq), per_seq, bs)
 
     first = copy_set()
     set_bytes = _cache_bytes(first[0]) + fp16_kv_bytes(tokens, hkv, d) + tokens * 8
@@ -435,7 +434,8 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
         return
     sets = [first] + [copy_set() for _ in range(copies - 1)]
     row["fill_tokens"] = tokens
-    row["fill_ms"] = _bench(_rotating(module.fill, sets))
+    window = _token_rows(module, b, per_seq)  # the same positions and ring rows for every copy
+    row["fill_ms"] = _bench(_rotating(lambda *args: module.fill(*args, **window), sets))
     del sets, first
     row["fill_bytes"] = fp16_kv_bytes(tokens, hkv, d) + tokens * hkv * row["bytes_per_token"]
     row["fill_bytes"] += fp16_kv_bytes(b * min(per_seq, getattr(module, "WINDOW", 0)), hkv, d)  # ring writes

@@ -113,7 +113,7 @@ def _compile_task(task) -> tuple[str, int, tuple, int, str]:
         for split in splits:
             _use(module, head_dim, config(tile, split))
             try:
-                module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0]))
+                module.decode(query, cache, block_tables, seq_lens, **bench._rows(module, query.shape[0]))
             except Exception as exc:  # reported by the timing pass too
                 failures += 1
                 note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
@@ -136,7 +136,7 @@ def _warm_task(task) -> tuple[str, int, tuple, int, str]:
     for b, n in grid:
         try:
             cache, block_tables, seq_lens, query = _setup(module, b, n, head_dim, seed=0)
-            module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0]))
+            module.decode(query, cache, block_tables, seq_lens, **bench._rows(module, query.shape[0]))
             torch.cuda.synchronize()
             del cache
         except Exception as exc:
@@ -184,7 +184,7 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
     caches = [cache] + [bench._clone_cache(module, cache) for _ in range(copies - 1)]
     own = dict(module._DECODE_CONFIGS)  # put back afterwards: the sweep overrides one head_dim's entry
     _use(module, head_dim, DEFAULT)
-    base = module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0])).float()
+    base = module.decode(query, cache, block_tables, seq_lens, **bench._rows(module, query.shape[0])).float()
     rows = []
     for variant in candidates:
         row = {"scheme": name, "head_dim": head_dim, "batch": batch, "context": context, "variant": list(variant),
@@ -192,12 +192,12 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
         _use(module, head_dim, variant)
         try:
             torch.cuda.synchronize()
-            out = module.decode(query, cache, block_tables, seq_lens, *bench._rows(module, query.shape[0]))
+            out = module.decode(query, cache, block_tables, seq_lens, **bench._rows(module, query.shape[0]))
             row["rel_err"] = bench.rel_l2(out, base)
             if not row["rel_err"] <= ERR_MAX:
                 row["status"] = "wrong"
             else:
-                call = bench._rotating(lambda c: module.decode(query, c, block_tables, seq_lens, *bench._rows(module, query.shape[0])), [(c,) for c in caches])
+                call = bench._rotating(lambda c: module.decode(query, c, block_tables, seq_lens, **bench._rows(module, query.shape[0])), [(c,) for c in caches])
                 row["ms"] = bench.graph_ms(call, copies, _quick_bench)
                 row["status"] = "ok"
         except Exception as exc:

@@ -53,6 +53,8 @@ SCHEME = {'head_dims': [64, 128, 256],
            'scale': {'axis': 'token', 'kind': 'minmax'}},
  'version': 1}
 HEAD_DIMS = (64, 128, 256)
+# How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
+DECODE_UNPACK = {"key": "u4", "value": "u4"}
 KEY_CODE_BITS = 4
 KEY_METADATA = ('scale', 'zero')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head

@@ -53,6 +53,8 @@ SCHEME = {'head_dims': [128, 256],
            'scale': {'axis': 'token', 'kind': 'norm'}},
  'version': 1}
 HEAD_DIMS = (128, 256)
+# How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
+DECODE_UNPACK = {"key": "portable", "value": "portable"}
 KEY_CODE_BITS = 5
 KEY_METADATA = ('scale',)
 KEY_GROUP_SIZE = 32  # channels sharing one set of metadata; None: the whole head

@@ -58,6 +58,8 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1,
  'window': 64}
 HEAD_DIMS = (128, 256)
+# How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
+DECODE_UNPACK = {"key": "portable", "value": "portable"}
 WINDOW = 64  # recent tokens per sequence kept unquantized, in a ring: allocate_cache(max_seqs=...)
 KEY_CODE_BITS = 1
 KEY_METADATA = ('norm',)

@@ -66,6 +66,8 @@ SCHEME = {'head_dims': [80, 96],
            'scale': {'axis': 'token', 'kind': 'norm'}},
  'version': 1}
 HEAD_DIMS = (80, 96)
+# How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
+DECODE_UNPACK = {"key": "portable", "value": "portable"}
 KEY_CODE_BITS = 4
 KEY_METADATA = ('norm', 'residual_rms')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head

@@ -64,6 +64,8 @@ SCHEME = {'head_dims': [128, 256],
            'scale': {'axis': 'token', 'kind': 'norm'}},
  'version': 1}
 HEAD_DIMS = (128, 256)
+# How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
+DECODE_UNPACK = {"key_outlier": "lut4", "key": "portable", "value_outlier": "lut4", "value": "portable"}
 KEY_OUTLIER_CODE_BITS = 4
 KEY_OUTLIER_METADATA = ('norm',)
 KEY_OUTLIERS = 0.25  # share of head_dim's channels quantized apart, with the codebook below

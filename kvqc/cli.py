@@ -175,6 +175,12 @@ def _explain(args: argparse.Namespace) -> int:
         print("           a split side: scores summed over its two parts, one output per part, put back in channel order")
     if scheme.window:
         print(f"           the last {scheme.window} tokens: one more split over the ring, unquantized")
+    for side in layout.sides:
+        print(f"           {side.name}: {side.decode_path()}")
+    if layout.gluon_decode:
+        print("           on sm_90 with fp16 at head_dim 128: a Gluon kernel for the whole tile (_gluon_decode)")
+    print(f"           reads at least {layout.bytes_per_token(d)} bytes per token and KV head: the floor `kvqc bench` "
+          "measures against")
     return 0
 
 

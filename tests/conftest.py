@@ -26,6 +26,10 @@ settings.register_profile(
 settings.register_profile(
     "deep", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
+# smoke: one example per test, enough to compile every kernel on a GPU and check it once (KVQC_PROFILE=smoke).
+settings.register_profile(
+    "smoke", max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("KVQC_PROFILE", "ci"))
 DEEP = os.environ.get("KVQC_PROFILE", "ci") == "deep"
 

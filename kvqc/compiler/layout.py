@@ -287,6 +287,61 @@ class SideLayout:
         does not stay constant) nor QJL (its correction is added at full scale)."""
         return self.uses_matrix and self.row_factor is not None and not self.row_shift and self.scheme.residual.kind != "qjl"
 
+    @property
+    def fast_unpack(self) -> str:
+        """Decode's PTX unpacking of this side's codes on NVIDIA (kernels/unpack.py.j2), "" for the portable select
+        trees: "u8" / "u4" uniform codes with a scale and zero, "lut2" / "lut4" Lloyd-Max indices, "lut3s" a 3-bit
+        index and a residual sign. One plane, no padding and scales per token only: group and channel scales keep
+        the portable path."""
+        s = self.scheme
+        if len(self.planes) != 1 or self.padded or self.group_size or self.per_channel:
+            return ""
+        bits, residual = s.codebook.bits, s.residual.kind
+        if s.codebook.kind == "uniform" and s.scale.kind == "minmax" and residual == "none" and bits in (4, 8):
+            return f"u{bits}"
+        if s.codebook.kind == "lloyd_max" and residual == "none" and bits in (2, 4):
+            return f"lut{bits}"
+        if s.codebook.kind == "lloyd_max" and residual == "sign" and bits == 3:
+            return "lut3s"
+        return ""
+
+    @property
+    def lut_words(self) -> int:
+        """int32 words of the fp16 codebook the PTX lookups read (low bytes, then high bytes, four entries a word)."""
+        return 2 ** self.scheme.codebook.bits // 2 if self.scheme.codebook.kind == "lloyd_max" else 0
+
+    @property
+    def word_unpack(self) -> str:
+        """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
+        a word of a token and one of the next make eight such pairs with four prmt (measured on an H100: int4_token
+        8 x 32k 0.1526 -> 0.1495 ms at head_dim 128, 0.1207 -> 0.0818 at 64; u8 and lut2 words gained nothing)."""
+        whole = self.base == "value" and not self.split and min(self.head_dims) >= 64
+        return "u4" if whole and self.fast_unpack == "u4" else ""
+
+    @property
+    def flatten_fast(self) -> str:
+        """The PTX kind flatten takes for an fp16 or bf16 output, "" for none: rotated sides in Hadamard blocks
+        whose row factor follows the matrix, so the fp16 codebook entries go straight into the one fp16 dot."""
+        fast = self.hadamard_blocks and self.factor_after_matrix and self.fast_unpack in ("lut2", "lut3s", "lut4")
+        return self.fast_unpack if fast else ""
+
+    def decode_path(self) -> str:
+        """How decode reads this side, in words (`kvqc explain`)."""
+        if self.fast_unpack:
+            how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}) on NVIDIA"
+        else:
+            how = "portable unpacking (shift, mask and select trees)"
+        if self.per_channel:
+            scales = f"per-channel scales shared by {self.token_group} tokens, factored out of the dots"
+        elif self.group_size:
+            scales = f"scales per group of {self.group_size} channels, loaded per chunk and applied to every element"
+        elif self.row_factor:
+            scales = f"one {self.row_factor} per token, applied to the scores" if self.base == "key" else \
+                f"one {self.row_factor} per token, applied to the probabilities"
+        else:
+            scales = "no scale"
+        return f"{how}; {scales}"
+
     def signs(self, head_dim: int) -> tuple[int, ...] | None:
         r = self.scheme.rotation
         return rotation.sign_vector(self.part_dim(head_dim), r.seed) if r.kind == "hadamard" and r.signs else None
@@ -412,6 +467,22 @@ class Layout:
         `rotation(side)` applied), skipping its way back: every side rotates in Hadamard blocks, with no window (the
         ring holds input-basis tokens) and no channel split (parts take their own rotations)."""
         return not self.window and not self.split and all(side.hadamard_blocks for side in self.sides)
+
+    @property
+    def gluon_decode(self) -> str:
+        """The K kind ("lut3s" or "lut4") of a layout whose decode has a Gluon kernel too (kernels/decode_gluon.py.j2),
+        "" otherwise: whole sides (not split, padded or windowed), K and V scaled by their norm alone, V lut2, and
+        head_dim 128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms)."""
+        key, value = self.key, self.value
+        whole = not self.split and not self.padded and not self.window and 128 in key.head_dims
+        norms = key.row_factor == value.row_factor == "norm" and not key.row_shift and not value.row_shift
+        fits = key.fast_unpack in ("lut3s", "lut4") and value.fast_unpack == "lut2"
+        return key.fast_unpack if whole and norms and fits else ""
+
+    @property
+    def flatten_unpacks(self) -> bool:
+        """Some side's flatten takes decode's PTX lookups for an fp16 or bf16 output (FAST_UNPACK)."""
+        return any(side.flatten_fast for side in self.sides)
 
     @property
     def dense_matrix(self) -> bool:

@@ -1,0 +1,29 @@
+"""The decode path each side takes, as the plan says it (Layout: SideLayout.fast_unpack), against the generated
+kernel: what `kvqc explain` and a module's DECODE_UNPACK promise is what decode runs.
+"""
+
+import inspect
+import re
+
+import pytest
+from conftest import ALL_SCHEMES, DEVICE, ROOT, generated
+
+from kvqc.compiler.layout import plan
+from kvqc.compiler.spec import load_scheme
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_decode_takes_the_unpacking_its_plan_promises(name):
+    """The plan's word on each side's decode path (DECODE_UNPACK, `kvqc explain`) is what the kernel does: a side
+    planned for PTX unpacking has its decode tiles made by that helper, behind FAST_UNPACK, which compiled CUDA turns
+    on; a portable side has no such call. A template that dropped a fast path would fail here, not in a benchmark."""
+    m = generated(name)
+    layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml"))
+    assert m.DECODE_UNPACK == {side.name: side.fast_unpack or "portable" for side in layout.sides}
+    source = inspect.getsource(m._decode_kernel.fn)
+    for side, kind in m.DECODE_UNPACK.items():
+        calls = re.findall(rf"= _unpack_(\w+?)(?:_words)?\({side}_(?:bytes_0_0|words)\b", source)
+        assert calls == ([kind] if kind != "portable" else []), (side, calls)
+    if any(kind != "portable" for kind in m.DECODE_UNPACK.values()):
+        assert "if FAST_UNPACK:" in source
+        assert m._FAST_UNPACK == (DEVICE.type == "cuda")

@@ -21,6 +21,7 @@ from kvqc import __version__
 from kvqc.numerics import rotation
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
+from kvqc.compiler.wrap import same_tree, wrap
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -141,7 +142,10 @@ def render(scheme: Scheme) -> str:
     source = re.sub(r"\n{4,}", "\n\n\n", source)
     source = re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", source)  # inside a body, one blank line at most
     compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
-    return source
+    wrapped = wrap(source)
+    if not same_tree(source, wrapped):  # layout only: a wrap that changed the program would be a kvqc bug
+        raise AssertionError(f"kvqc: wrapping {scheme.name}'s long lines changed its syntax tree")
+    return wrapped
 
 
 def write_atomic(path: Path, text: str) -> None:

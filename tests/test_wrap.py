@@ -1,0 +1,44 @@
+"""kvqc/compiler/wrap.py: long lines broken as a person would, the program unchanged."""
+
+import ast
+
+import pytest
+
+from kvqc.compiler.wrap import same_tree, wrap
+
+CASES = {
+    "call": "x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk"
+            "[None, :], mask=valid[:, None], other=0.0).to(tl.float32)\n",
+    "sum": "row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head "
+           "* HEAD_STRIDE + other_head * OTHER_STRIDE\n",
+    "condition": "if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 or num_q_heads "
+                 "% cache.num_kv_heads:\n    pass\n",
+    "message": "def f(x):\n    raise ValueError(f\"cache: expected tensors on a GPU (or on the CPU under TRITON_INTERPRET=1), "
+               "got {x.device} and {x.dtype} which no kernel here takes\")\n",
+    "comment": "x = 1  # " + "a trailing remark that makes this line far longer than the limit allows " * 2 + "\n",
+    "table": "T = {128: (" + ", ".join(str(i % 3 - 1) for i in range(128)) + ")}\n",
+    "nested": "f(a, g(b, c, dddddddddddddddddddddddddddddddddddddddddddddd, eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee, "
+              "fffffffffffffffffffffffffffffffffffff), h)\n",
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_wrapped_lines_fit_and_mean_the_same(name):
+    source = CASES[name]
+    wrapped = wrap(source)
+    assert same_tree(source, wrapped)
+    assert all(len(line) <= 120 for line in wrapped.splitlines()), wrapped
+    assert wrapped != source
+
+
+def test_short_lines_and_strings_spanning_lines_are_left_alone():
+    source = 'x = 1\ny = """' + "a" * 150 + '\n"""\n'
+    assert wrap(source) == source
+
+
+def test_a_split_string_keeps_its_fields():
+    source = "def f(x):\n    raise ValueError(f\"" + "word " * 30 + "{x!r} and {x.shape} " + "word " * 10 + "\")\n"
+    wrapped = wrap(source)
+    assert same_tree(source, wrapped)
+    strings = [n for n in ast.walk(ast.parse(wrapped)) if isinstance(n, ast.JoinedStr)]
+    assert len(strings) == 1  # implicit concatenation: still one f-string

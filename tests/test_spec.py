@@ -1,4 +1,4 @@
-"""The scheme language (kvqc/spec.py): shipped schemes load, valid schemes round-trip through their canonical
+"""The scheme language (kvqc/compiler/spec.py): shipped schemes load, valid schemes round-trip through their canonical
 form, and every invalid input is refused with one SchemeError line naming the file, the field and what was
 expected -- never another exception.
 """

@@ -1093,7 +1093,7 @@ def _decode_reduce_kernel(
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
-# 80 = 20 * 4 and 96 = 12 * 8 rotate by H_20 (x) H_4 and H_12 (x) H_8 (kvqc/rotation.py, hadamard_matrix).
+# 80 = 20 * 4 and 96 = 12 * 8 rotate by H_20 (x) H_4 and H_12 (x) H_8 (kvqc/numerics/rotation.py, hadamard_matrix).
 _PALEY = {
     12: [
         [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],

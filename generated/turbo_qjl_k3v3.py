@@ -2846,7 +2846,7 @@ def _decode_reduce_kernel(
 
 
 # The QJL projection is d*d Gaussian numbers: generated from its seed by kvqc's own counter-based generator
-# (copied here from kvqc/rotation.py at build time) instead of being written out.
+# (copied here from kvqc/numerics/rotation.py at build time) instead of being written out.
 def splitmix64(x: int) -> int:
     """One step of the standard SplitMix64 generator whose state is ``x``.
 

@@ -11,8 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvqc.files import NotRegularFile, read_regular
 from kvqc.compiler.spec import Scheme, SchemeError, load_scheme, printable
+from kvqc.files import NotRegularFile, read_regular
+from kvqc.modules import SCHEMES
 
 # Generated modules are 50-150 KB: a file in --out far larger than this is not one.
 MAX_MODULE_BYTES = 16 * 1024 * 1024
@@ -20,8 +21,6 @@ MAX_MODULE_BYTES = 16 * 1024 * 1024
 
 def _schemes(paths: list[str]) -> list[Path]:
     """The scheme files named, else the shipped catalogue."""
-    from kvqc.modules import SCHEMES
-
     return [Path(p) for p in paths] if paths else sorted(SCHEMES.glob("*.yaml"))
 
 
@@ -112,7 +111,6 @@ def _list(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from kvqc.compiler.codegen import describe
     from kvqc.compiler.layout import plan
-    from kvqc.modules import SCHEMES
 
     path = Path(args.scheme)
     # A bare name means the shipped scheme: `kvqc explain turbo_k4v2` reads kvqc/schemes/turbo_k4v2.yaml.

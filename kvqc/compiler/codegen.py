@@ -7,6 +7,7 @@ output on every run, and files are replaced atomically.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import os
@@ -141,9 +142,10 @@ def render(scheme: Scheme) -> str:
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)
     source = re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", source)  # inside a body, one blank line at most
-    compile(source, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
+    tree = ast.parse(source, f"generated/{scheme.name}.py")
+    compile(tree, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
     wrapped = wrap(source)
-    if not same_tree(source, wrapped):  # layout only: a wrap that changed the program would be a kvqc bug
+    if not same_tree(tree, wrapped):  # layout only: a wrap that changed the program would be a kvqc bug
         raise AssertionError(f"kvqc: wrapping {scheme.name}'s long lines changed its syntax tree")
     return wrapped
 

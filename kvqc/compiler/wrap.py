@@ -19,11 +19,13 @@ LIMIT = 120
 _OPEN, _CLOSE = "([{", ")]}"
 # Binary operators from the loosest binding, the ones a line is broken before (inside parentheses).
 _PRECEDENCE = (("or",), ("and",), ("<", "<=", ">", ">=", "==", "!="), ("|",), ("^",), ("&",), ("+", "-"))
+_OPERATORS = {op for group in _PRECEDENCE for op in group}
 
 
-def same_tree(a: str, b: str) -> bool:
-    """Whether two sources parse to the same syntax tree (positions aside)."""
-    return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
+def same_tree(a: str | ast.AST, b: str | ast.AST) -> bool:
+    """Whether two sources (or one's already parsed tree) have the same syntax tree, positions aside."""
+    a, b = (x if isinstance(x, ast.AST) else ast.parse(x) for x in (a, b))
+    return ast.dump(a) == ast.dump(b)
 
 
 def wrap(source: str, limit: int = LIMIT) -> str:
@@ -115,7 +117,7 @@ def _statement(line: str, limit: int, depth: int = 0, inside: bool = False) -> l
 def _split(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width: int) -> list[tuple[int, str]] | None:
     """The statement as (extra indent level, text) lines, or None where there is no break to make."""
     if inside:
-        items = _items(code, tokens, 0)
+        items = _items(code, tokens)
         if items is not None and len(items) > 1:  # several items on one line: one a line
             if not code.rstrip().endswith(","):
                 items[-1] = items[-1][:-1]
@@ -127,7 +129,7 @@ def _split(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width: int
         body_start, body_end = tokens[a].end[1], tokens[b].start[1]
         body = code[body_start:body_end].strip()
         if len(body) > 40:
-            items = _items(code, tokens[a + 1 : b], body_start)
+            items = _items(code, tokens[a + 1 : b])
             head, tail = code[:body_start], code[body_end:]
             if items is not None:
                 return [(0, head), *((1, item) for item in items), (0, tail)]
@@ -150,7 +152,7 @@ def _bracket_pairs(tokens: list[tokenize.TokenInfo]) -> list[tuple[int, int]]:
     return pairs
 
 
-def _items(code: str, body: list[tokenize.TokenInfo], offset: int) -> list[str] | None:
+def _items(code: str, body: list[tokenize.TokenInfo]) -> list[str] | None:
     """A bracket's contents one item a line, each ending in a comma where items are comma-separated."""
     depth, cuts = 0, []
     for i, tok in enumerate(body):
@@ -175,14 +177,19 @@ def _items(code: str, body: list[tokenize.TokenInfo], offset: int) -> list[str] 
     if last:
         items.append(last + ",")
     if all(len(item) <= 16 and not any(c in item for c in _OPEN) for item in items):
-        packed = [items[0]]  # a table of numbers: as many a line as fit
-        for item in items[1:]:
-            if len(packed[-1]) + 1 + len(item) <= 100:
-                packed[-1] += " " + item
-            else:
-                packed.append(item)
-        return packed
+        return _pack(items, 100)  # a table of numbers: as many a line as fit
     return items
+
+
+def _pack(parts: list[str], room: int) -> list[str]:
+    """`parts` joined by spaces into as few lines of at most `room` characters as they go, in order."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 1 + len(part) <= room:
+            lines[-1] += " " + part
+        else:
+            lines.append(part)
+    return lines
 
 
 def _operators(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width: int) -> list[tuple[int, str]] | None:
@@ -211,7 +218,7 @@ def _operators(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width:
             depth += 1
         elif tok.type == tokenize.OP and tok.string in _CLOSE:
             depth -= 1
-        elif depth == 0 and i > start and tok.string in {op for group in _PRECEDENCE for op in group}:
+        elif depth == 0 and i > start and tok.string in _OPERATORS:
             if tok.type == tokenize.OP or keyword.iskeyword(tok.string):
                 at.setdefault(tok.string, []).append(i)
         elif depth == 0 and tok.string in ("if", "else", "lambda", "not") and tok.type == tokenize.NAME:
@@ -230,13 +237,7 @@ def _operators(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width:
         parts.append(code[begin : tokens[i].start[1]].strip())
         begin = tokens[i].start[1]
     parts.append(code[begin : tokens[end - 1].end[1]].strip())
-    lines = [parts[0]]
-    room = width - (0 if inside else 4)
-    for part in parts[1:]:
-        if len(lines[-1]) + 1 + len(part) <= room:
-            lines[-1] += " " + part
-        else:
-            lines.append(part)
+    lines = _pack(parts, width - (0 if inside else 4))
     if len(lines) == 1 and inside:
         return None
     if inside:  # the bracket around the item already continues the line

@@ -4,7 +4,9 @@ For every SCHEME the model runs on a kvqc cache (kvqc.engines.transformers) and 
 stock transformers path (DynamicCache, "sdpa" attention, nothing quantized):
 
   perplexity            on a text (built in, or --text), teacher-forced in one forward pass through the cache:
-                        every position attends over the dequantized K/V the cache holds (its own token included)
+                        every position attends over the dequantized K/V the cache holds (its own token included);
+                        with --decode-time each position reads a window scheme's last WINDOW tokens as given, as
+                        decoding the text token by token does
   top-1 agreement       the fraction of the text's positions where the next-token argmax equals the baseline's
   greedy agreement      greedy generation of --new-tokens tokens from two prompts (no stop at end-of-text): the
                         fraction of positions where the token equals the baseline's token at that position

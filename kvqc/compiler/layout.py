@@ -481,6 +481,15 @@ class Layout:
         return key.fast_unpack if whole and norms and fits else ""
 
     @property
+    def decode_replays(self) -> bool:
+        """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
+        between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
+        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
+        or moves the window's output into the rotated basis."""
+        in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
+        return in_kernels and not (self.window and self.value.uses_matrix)
+
+    @property
     def flatten_unpacks(self) -> bool:
         """Some side's flatten takes decode's PTX lookups for an fp16 or bf16 output (FAST_UNPACK)."""
         return any(side.flatten_fast for side in self.sides)

@@ -704,19 +704,20 @@ class _Replay:
     as they are (a tensor costs it a driver call to check its pointer, about half a microsecond each). A layer's
     host time is then the cache check, the output's allocation and the launches."""
 
-    __slots__ = ("launches", "out_dtype")
+    __slots__ = ("launches", "out_dtype", "kept")
 
-    def __init__(self, launches: list, out_dtype: torch.dtype) -> None:
+    def __init__(self, launches: list, out_dtype: torch.dtype, kept: tuple) -> None:
         self.launches = launches
         self.out_dtype = out_dtype
+        self.kept = kept  # the tensors whose addresses the launches hold, alive as long as the replay
 
     @classmethod
     def of(cls, taken: list, query: torch.Tensor, cache_tensors: tuple, out: torch.Tensor, kept: tuple
            ) -> "_Replay | None":
         """The replay of the call that launched `taken` and returned `out`, or None where some launch reads a
         tensor that is neither the layer's (the query or a view of it, out, a cache tensor) nor one in `kept`
-        (what the plan and the module hold for every layer, alive as long as the plan): a temporary a torch op
-        made, which a replay would not remake."""
+        (what the plan and the module hold for every layer): a temporary a torch op made, which a replay would
+        not remake."""
         kept_ids = {id(t) for t in kept}
         launches, writes_out = [], False
         for kernel, grid, args, constexprs, entry in taken:
@@ -735,7 +736,7 @@ class _Replay:
             compiled, tail = entry if entry is not None else (None, ())
             grid = (*grid, 1, 1)[:3]
             launches.append((grid, kernel, args, (*addresses, *tail), tuple(slots), constexprs, compiled))
-        return cls(launches, out.dtype) if writes_out else None
+        return cls(launches, out.dtype, kept) if writes_out else None
 
     def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list) -> torch.Tensor:
         out = torch.empty_like(query, dtype=self.out_dtype)

@@ -1665,8 +1665,10 @@ class _Replay:
             launches.append((grid, kernel, args, (*addresses, *tail), tuple(slots), constexprs, compiled))
         return cls(launches, out.dtype, kept) if writes_out else None
 
-    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list) -> torch.Tensor:
-        out = torch.empty_like(query, dtype=self.out_dtype)
+    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list,
+                 out: "torch.Tensor | None" = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(query, dtype=self.out_dtype)
         hooked = _hooked()
         if not hooked:
             stream = _RAW_STREAM(torch.cuda.current_device())
@@ -2250,6 +2252,7 @@ def decode(
     window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
+    out: "torch.Tensor | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
@@ -2258,16 +2261,21 @@ def decode(
     seq_lens must be the number of tokens filled (a shorter one would read ring slots later tokens overwrote).
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
+    out: a [batch, num_q_heads, head_dim] tensor in the query's dtype on the cache's device (an engine's attention
+    output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _require("decode", window_index=window_index)
     _check_cache(cache)
     if plan is not None:
-        out = _replayed(plan, query, cache, block_tables, seq_lens, window_index, scale)
-        if out is not None:
-            return out
+        result = _replayed(plan, query, cache, block_tables, seq_lens, window_index, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
+    if out is not None:
+        _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
+    target = out  # the steps below name their output `out`
     keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
@@ -2286,7 +2294,7 @@ def decode(
         _check_plan(plan, query, cache, block_tables, seq_lens, window_index)
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
-        return torch.zeros_like(query)
+        return torch.zeros_like(query) if target is None else target.zero_()
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
@@ -2373,13 +2381,14 @@ def decode(
     if taking:
         kept = (block_tables, seq_lens, window_index, *scratch.values())
         plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
-    return out
+    return out if target is None else target.copy_(out)
 
 
-def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, window_index, scale):
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, window_index, scale, out):
     """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
     is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
-    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took)."""
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
     if (
         not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
         or window_index is not plan.window_index
@@ -2390,12 +2399,17 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
     if geometry != plan.geometry or query.shape != shape or query.device != geometry[-1]:
         return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
     tensors = _cache_tensors(cache)
     addresses = [t.data_ptr() for t in tensors]
     aligned = (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in addresses))
     replay = plan.replays.get((aligned, _check_scale(scale, cache.head_dim)))
-    return replay(query, tensors, addresses) if replay is not None else None
+    return replay(query, tensors, addresses, out) if replay is not None else None
 
 
 def _reduce(

@@ -3110,8 +3110,10 @@ class _Replay:
             launches.append((grid, kernel, args, (*addresses, *tail), tuple(slots), constexprs, compiled))
         return cls(launches, out.dtype, kept) if writes_out else None
 
-    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list) -> torch.Tensor:
-        out = torch.empty_like(query, dtype=self.out_dtype)
+    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list,
+                 out: "torch.Tensor | None" = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(query, dtype=self.out_dtype)
         hooked = _hooked()
         if not hooked:
             stream = _RAW_STREAM(torch.cuda.current_device())
@@ -3589,6 +3591,7 @@ def decode(
     window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
+    out: "torch.Tensor | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
@@ -3596,11 +3599,16 @@ def decode(
     window_index serves schemes with a recent-token window; this one has none and does not read it.
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
+    out: a [batch, num_q_heads, head_dim] tensor in the query's dtype on the cache's device (an engine's attention
+    output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
+    if out is not None:
+        _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
+    target = out  # the steps below name their output `out`
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -3618,7 +3626,7 @@ def decode(
         _check_plan(plan, query, cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
-        return torch.zeros_like(query)
+        return torch.zeros_like(query) if target is None else target.zero_()
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
@@ -3686,7 +3694,7 @@ def decode(
         dtype=query.dtype,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
-    return out
+    return out if target is None else target.copy_(out)
 
 
 def _reduce(

@@ -72,6 +72,9 @@ def test_later_layers_replay_what_the_plan_promises(name):
         assert torch.equal(m.decode(query, cache, *paging, window_index=ring, plan=plan), want)
     taken = [type(r).__name__ for r in getattr(plan, "replays", {}).values()]
     assert taken == (["_Replay"] if replays else []), taken
+    rows = torch.full_like(queries[1], float("nan"))  # an engine's output buffer: decode writes every element
+    assert m.decode(queries[1], caches[1], *paging, window_index=ring, plan=plan, out=rows) is rows
+    assert torch.equal(rows, want)
     if not replays:
         return
     strided = queries[1].transpose(0, 1).contiguous().transpose(0, 1)  # the same values, rows not contiguous
@@ -94,6 +97,10 @@ def test_a_plan_refuses_what_it_was_not_made_for():
     other = m.allocate_cache(caches[0].num_blocks + 1, BLOCK_SIZE, KV_HEADS, caches[0].head_dim, device=DEVICE)
     with pytest.raises(ValueError, match="cache: the plan serves caches shaped"):
         m.decode(queries[0], other, *paging, plan=plan)
+    with pytest.raises(ValueError, match=r"out: expected dtype in \(torch.float16,\)"):
+        m.decode(queries[0], caches[0], *paging, plan=plan, out=queries[0].float())
+    with pytest.raises(ValueError, match=r"out: expected shape \[3, 4, 128\]"):
+        m.decode(queries[0], caches[0], *paging, plan=plan, out=queries[0][:1])
     with pytest.raises(ValueError, match="plan: expected a DecodePlan"):
         m.decode(queries[0], caches[0], *paging, plan=object())
     with pytest.raises(ValueError, match="num_q_heads: expected a positive multiple"):

@@ -96,6 +96,77 @@ class SideLayout:
             return f"{self.name.upper()}_PAD" if self.padded else self.dim
         return "HEAD_PAD" if self.padded else "HEAD_DIM"
 
+    # The scheme's fields the templates name, read here so that templates read the plan alone.
+    @property
+    def level_bits(self) -> int:
+        """Bits of the codebook index, before any residual bit."""
+        return self.scheme.codebook.bits
+
+    @property
+    def residual(self) -> str:
+        """The residual stage: "none", "sign" (one bit and the residual's RMS) or "qjl"."""
+        return self.scheme.residual.kind
+
+    @property
+    def levels(self) -> int:
+        return 2 ** self.scheme.codebook.bits
+
+    @property
+    def scalar_codebook(self) -> bool:
+        """A Lloyd-Max codebook of at most 16 entries: kernels load it into scalars once and select among them."""
+        return self.lloyd_max and self.scheme.codebook.bits <= 4
+
+    @property
+    def packing(self) -> str:
+        """"split" (each plane's chunks side by side) or "interleaved" (position order mixes the chunks)."""
+        return self.scheme.packing
+
+    @property
+    def qjl(self) -> bool:
+        return self.scheme.residual.kind == "qjl"
+
+    @property
+    def qjl_seed(self) -> int:
+        return self.scheme.residual.seed
+
+    @property
+    def scale_kind(self) -> str:
+        """"norm" (per-token L2 norm), "absmax" (symmetric scale) or "minmax" (scale and zero)."""
+        return self.scheme.scale.kind
+
+    @property
+    def unbiased(self) -> bool:
+        """Norm-scaled codes rescaled by <x, x_hat> / ||x_hat||^2 (DRIVE/EDEN), so inner products are unbiased."""
+        return self.scheme.scale.unbiased
+
+    @property
+    def outlier_fraction(self) -> float:
+        """A split side's share of head_dim's channels quantized apart."""
+        return self.whole.outliers.fraction
+
+    @property
+    def outlier_select(self) -> str:
+        """How a split side's outlier channels are chosen: "fixed" (outlier_channels) or the statistic calibrate()
+        ranks each KV head's channels by."""
+        return self.whole.outliers.select
+
+    @property
+    def outlier_channels(self) -> tuple[int, ...]:
+        return tuple(self.whole.outliers.channels)
+
+    @property
+    def lloyd_max(self) -> bool:
+        return self.scheme.codebook.kind == "lloyd_max"
+
+    @property
+    def fp8_dtype(self) -> str:
+        """The Triton dtype of an fp8 codebook's codes."""
+        return "tl.float8e4nv" if self.scheme.codebook.format == "e4m3" else "tl.float8e5"
+
+    @property
+    def rotation_seed(self) -> int:
+        return self.scheme.rotation.seed
+
     @property
     def code_bits(self) -> int:
         return self.scheme.code_bits
@@ -378,6 +449,18 @@ class Layout:
 
     key_outlier: SideLayout | None = None
     value_outlier: SideLayout | None = None
+
+    @property
+    def name(self) -> str:
+        return self.scheme.name
+
+    @property
+    def content_hash(self) -> str:
+        return self.scheme.content_hash
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return self.scheme.head_dims
 
     @property
     def padded(self) -> bool:

@@ -21,6 +21,14 @@ with max_new_tokens=0), computed by prefill attention over K/V flattened from th
 kernels show in the tokens. A random-weight model's logits are nearly flat, so a few percent of logit error
 already flips greedy tokens: read token agreement next to the logit error.
 
+--profile N: after the timed batch, a batch of the same shape runs again and, once every request has its first
+token, torch.profiler (CUDA activities) records a few more than N decode steps. CUPTI traces the kernels a CUDA-graph
+replay launches, each carrying its cudaGraphLaunch's correlation id, so graph mode's steps are told apart by their
+replays. Per step: GPU time by kernel category (kvqc's attention and fill kernels, LMDeploy's attention kernels,
+GEMMs, the rest), the step's period (one replay's first kernel to the next's: 32 tokens at batch 32), its span
+(first kernel start to last kernel end) and the GPU's idle share of the period; in the run's "profile" field, with
+the trace's path (Chrome trace, gzip) and the most expensive kernels. Eager steps launch no graph: not split.
+
 On the GPU machine (LMDeploy from ../shared/engines/lmdeploy-kit.sh, carried as .lmdeploy-kit):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lmdeploy-kit/*.whl
     export PYTHONPATH=/tmp/site:$PWD TVM_FFI_DISABLE_TORCH_C_DLPACK=1
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -44,6 +53,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 # cache name -> (LMDeploy quant_policy, kvqc scheme or None for LMDeploy's own kernels)
@@ -61,6 +72,18 @@ MIN_DECODE_STEPS = 100
 LOGIT_POSITIONS = 256  # last prompt positions compared against fp16 (the longest contexts)
 WARMUP_TOKENS = 16  # a warm-up batch of the timed shape compiles every Triton specialization first
 SEED = 0
+# kernel name (prefix) -> category in --profile's per-step table; first match wins. kvqc's names are the @triton.jit
+# functions of the generated modules and of kvqc/engines/lmdeploy.py; LMDeploy's those of its kernels/cuda attention,
+# fill and flatten files (and FA3's, where installed).
+KERNEL_CATEGORIES = {
+    "kvqc attention": r"_(decode_kernel|decode_reduce_kernel|rotate_query_kernel|window_decode_kernel)",
+    "kvqc fill": r"_(fill_kernel|slot_mapping_kernel|hadamard_kernel|window_store_kernel|key_group_kernel|"
+                 r"flatten_kernel)",
+    "lmdeploy attention": r"_(fill_kv_cache|fill_page_quant|flatten_kv_cache|fwd_grouped_split|reduce_split|"
+                          r"fused_reduce_hadamard|flash_prefill_fwd)|.*flash_fwd|.*flash::",
+    "gemm": r"(?i).*(gemm|gemv|cutlass|cublas|nvjet|xmma)",
+}
+PROFILE_WARM_STEPS = 1  # replays skipped at the window's start: the profiler's start can stall the first one
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-cache", default=os.path.expanduser("~/.cache/kvqc/lmdeploy-models"))
     p.add_argument("--cache-frac", type=float, default=0.8, help="PytorchEngineConfig.cache_max_entry_count")
     p.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is killed and recorded failed")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also record N steady decode steps per run with torch.profiler: GPU time per step by kernel "
+                        "category (graph mode)")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's earlier runs (same model) and replace those run again: a matrix in pieces")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run, for the worker process
@@ -133,9 +159,11 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)] for _ in range(batch)]
 
 
-async def generate(engine, prompts: list[list[int]], gen_config) -> tuple[float, list[list[tuple[float, int]]], list]:
-    """Submit every prompt at once; per request, (arrival time, tokens in that chunk) of each streamed output."""
-    async def one(ids):
+async def generate(engine, prompts: list[list[int]], gen_config, counts: list[int] | None = None
+                   ) -> tuple[float, list[list[tuple[float, int]]], list]:
+    """Submit every prompt at once; per request, (arrival time, tokens in that chunk) of each streamed output.
+    counts, where given, holds each request's tokens so far while the batch runs (--profile watches it)."""
+    async def one(i, ids):
         request = await engine.preprocess(messages=None, session_id=engine.session_mgr.get(), input_ids=ids,
                                           gen_config=gen_config, do_preprocess=False)
         stamps, tokens = [], []
@@ -145,10 +173,12 @@ async def generate(engine, prompts: list[list[int]], gen_config) -> tuple[float,
             if out.token_ids:
                 stamps.append((time.perf_counter(), len(out.token_ids)))
                 tokens += out.token_ids
+                if counts is not None:
+                    counts[i] += len(out.token_ids)
         return stamps, tokens
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(one(ids) for ids in prompts))
+    results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
     return start, [r[0] for r in results], [r[1] for r in results]
 
 
@@ -169,6 +199,80 @@ def timings(start: float, stamps: list[list[tuple[float, int]]]) -> dict:
         "e2e_s": last - start,
         "output_tokens": total,
     }
+
+
+def kernel_category(name: str) -> str:
+    return next((c for c, pattern in KERNEL_CATEGORIES.items() if re.match(pattern, name)), "other")
+
+
+def step_profile(events: list[dict], steps: int) -> dict:
+    """Per decode step, from a Chrome trace's events: GPU ms by kernel category, period, span and idle share.
+
+    Every kernel of a CUDA-graph replay carries its cudaGraphLaunch's correlation id. One replay of the decode
+    graph runs per step; a step runs from its replay's first kernel to the next replay's first kernel, so it holds
+    the eager work between replays (sampling, copies) and the GPU's idle time while the host prepares the next."""
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")}
+    gpu = sorted((float(e["ts"]), float(e["dur"]), e["name"], e.get("args", {}).get("correlation"))
+                 for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    first, size = {}, Counter()  # graph launch -> its first kernel's start, its kernel count
+    for ts, _, _, corr in gpu:
+        if corr in launches:
+            first.setdefault(corr, ts)
+            size[corr] += 1
+    result = {"graph_launches": len(launches), "graph_kernels_traced": bool(first)}
+    if not first:
+        return result
+    decode = max(size.values())  # the decode graph's replays; a smaller graph in the window would not mark a step
+    starts = sorted(ts for corr, ts in first.items() if size[corr] > decode / 2)[PROFILE_WARM_STEPS:]
+    bounds = list(pairwise(starts))[:steps]
+    if not bounds:
+        return dict(result, steps=0)
+    by_category, by_name = Counter(), Counter()
+    busy = span = kernels = 0.0
+    for lo, hi in bounds:
+        end = last = lo
+        for ts, dur, name, _ in gpu:
+            if lo <= ts < hi:
+                by_category[kernel_category(name)] += dur
+                by_name[name] += dur
+                kernels += 1
+                busy += max(0.0, min(ts + dur, hi) - max(ts, end))  # union of busy time (streams may overlap)
+                end, last = max(end, min(ts + dur, hi)), max(last, ts + dur)
+        span += last - lo
+    n, ms = len(bounds), lambda us: us / len(bounds) / 1000
+    period = sum(hi - lo for lo, hi in bounds)
+    return dict(result, steps=n, graph_kernels=decode, kernels_per_step=kernels / n, period_ms=ms(period),
+                span_ms=ms(span), busy_ms=ms(busy), idle_share=1 - busy / period,
+                ms={c: ms(by_category[c]) for c in [*KERNEL_CATEGORIES, "other"]},
+                top_kernels=[[name, ms(t)] for name, t in by_name.most_common(12)])
+
+
+def profile_decode(pipe, prompts: list[list[int]], gen_config, steps: int, trace: str) -> dict:
+    """Run the batch again and profile `steps` (plus a few) decode steps once every request has its first token."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]):  # CUPTI's first start is slow: pay it before the batch
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    counts = [0] * len(prompts)  # the engine's thread adds each request's tokens as they stream back
+    future = asyncio.run_coroutine_threadsafe(generate(pipe.async_engine, prompts, gen_config, counts),
+                                              pipe.internal_thread.loop)
+
+    def wait_for(tokens):  # until every request has that many tokens (or the batch ended); rare wake-ups leave
+        while min(counts) < tokens and not future.done():  # the engine's thread the GIL
+            time.sleep(0.005)
+
+    wait_for(1)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.start()
+    wait_for(min(counts) + steps + PROFILE_WARM_STEPS + 3)  # + 3: replays cut at the window's ends, streaming lag
+    prof.stop()
+    future.result()  # the engine's error, if any
+    prof.export_chrome_trace(trace)  # .gz: gzipped
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return dict(step_profile(events, steps), trace=trace)
 
 
 def prompt_logits(pipe, prompts: list[list[int]]):
@@ -240,6 +344,14 @@ def run_one(spec: dict) -> dict:
     prompts = make_prompts(batch, length, spec["vocab"], SEED)
     start, stamps, tokens = run(prompts, new)
     result.update(timings(start, stamps))
+    if spec.get("profile"):
+        gen = GenerationConfig(max_new_tokens=new, ignore_eos=True, do_sample=False)
+        try:  # a failed profile leaves the run's timings standing
+            result["profile"] = profile_decode(pipe, make_prompts(batch, length, spec["vocab"], SEED + 2), gen,
+                                               spec["profile"], spec["trace"])
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            result["profile"] = {"error": error_line(e), "trace": spec["trace"]}
     if spec.get("logits"):
         torch.save(prompt_logits(pipe, prompts), spec["logits"])
         result["tokens"] = tokens
@@ -344,6 +456,20 @@ def print_tables(runs: list[dict], rows: list[dict]) -> None:
         print(f"{head} {fmt(r['prefill_s'], 2)} | {fmt(r['decode_tok_s'])} ({r['decode_steps']}) | "
               f"{fmt(r['e2e_tok_s'])} | {fmt(r['kv_tokens'])}{fits} | {fmt(r.get('kv_bytes_per_token'))} | "
               f"{fmt(r['peak_gib'], 1)} ({fmt(r['peak_non_kv_gib'], 1)}) |")
+    profiled = [r for r in runs if r.get("profile", {}).get("steps")]
+    if profiled:
+        cats = [*KERNEL_CATEGORIES, "other"]
+        print("\n| cache | mode | batch | prompt | step ms (timed) | span ms | " + " | ".join(cats) + " | GPU idle |")
+        print("| --- " * (len(cats) + 7) + "|")
+        for r in profiled:
+            p = r["profile"]
+            timed = r["batch"] / r["decode_tok_s"] * 1000 if r.get("decode_tok_s") else None  # the timed batch's step
+            print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {fmt(p['period_ms'], 2)} "
+                  f"({fmt(timed, 2)}) | {fmt(p['span_ms'], 2)} | " + " | ".join(fmt(p['ms'][c], 2) for c in cats)
+                  + f" | {fmt(100 * p['idle_share'], 1)}% |")
+    for r in runs:
+        if "profile" in r and not r["profile"].get("steps"):
+            print(f"profile of {r['cache']} {r['mode']}: no steps split ({r['profile']})")
     if rows:
         print("\n| cache | against | mode | tokens same | same until divergence | logits rel RMS | max abs | top-1 |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -388,6 +514,8 @@ def main(args) -> None:
                                 new_tokens=args.new_tokens, model=str(model), cache_frac=args.cache_frac)
                     if args.agreement:
                         spec["logits"] = str(work / f"{name}.logits.pt")
+                    if args.profile:
+                        spec.update(profile=args.profile, trace=str(work / f"{name}.trace.json.gz"))
                     print(f"run {name}", flush=True)
                     result = spawn(spec, work, args.run_timeout)
                     env = env or result.pop("env", {})

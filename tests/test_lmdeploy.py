@@ -11,11 +11,14 @@ flatten returns, and its bytes are what LMDeploy's quantizer writes; install swa
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
+import re
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -566,3 +569,56 @@ def test_install_without_lmdeploy(monkeypatch):
         kl.install("turbo_k4v2", 42)
 
 
+
+
+def _engine_benchmark():
+    """benchmarks/lmdeploy_engine.py as a module (it imports neither torch nor LMDeploy at the top)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lmdeploy_engine.py"
+    spec = importlib.util.spec_from_file_location("kvqc_lmdeploy_engine_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_benchmark_kernel_categories():
+    """Every @triton.jit kernel of the generated modules and the adapter falls in a kvqc category of --profile."""
+    bench = _engine_benchmark()
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for path in [*sorted((root / "generated").glob("*.py")), root / "kvqc" / "engines" / "lmdeploy.py"]:
+        names |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)", path.read_text()))
+    kernels = {n for n in names if n.endswith("_kernel") or "_kernel_" in n}
+    assert {"_decode_kernel", "_fill_kernel", "_slot_mapping_kernel", "_hadamard_kernel"} <= kernels
+    assert {n: bench.kernel_category(n) for n in kernels if not bench.kernel_category(n).startswith("kvqc")} == {}
+    assert bench.kernel_category("_fill_kv_cache_kernel") == "lmdeploy attention"
+    assert bench.kernel_category("nvjet_sm90_hsh_128x32_64x10_2x1_v_bz_TNT") == "gemm"
+    assert bench.kernel_category("add_rms_norm_kernel") == "other"
+    assert bench.parse_args(["--out", "x"]).profile == 0
+
+
+def test_engine_benchmark_step_profile():
+    """Steps split at the decode graph's replays: kernels by category, period, span and idle share per step."""
+    bench = _engine_benchmark()
+    events, t = [], 0.0
+    for step in range(6):
+        corr = 100 + step
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5.0,
+                       "args": {"correlation": corr}})
+        for name, dur in [("_decode_kernel", 300.0), ("nvjet_sm90_hsh_64x32", 100.0), ("add_rms_norm_kernel", 10.0)]:
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t + 10, "dur": dur,
+                           "args": {"correlation": corr}})
+            t += dur + 10  # 10 us idle before each kernel
+        events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": t - 8, "dur": 5.0,
+                       "args": {"correlation": 900 + step}})  # within the last kernel, on another stream
+        t += 40
+    profile = bench.step_profile(events, steps=3)
+    # the first replay is skipped (PROFILE_WARM_STEPS); a step is 410 us of kernels, 30 us of gaps between them
+    # and 40 us after them (480 us, first kernel to the next replay's); the copy adds time, not busy time
+    assert profile["graph_kernels_traced"] and profile["steps"] == 3 and profile["graph_kernels"] == 3
+    assert profile["period_ms"] == pytest.approx(0.480) and profile["busy_ms"] == pytest.approx(0.410)
+    assert profile["span_ms"] == pytest.approx(0.430)
+    assert profile["ms"] == pytest.approx({"kvqc attention": 0.3, "kvqc fill": 0.0, "lmdeploy attention": 0.0,
+                                          "gemm": 0.1, "other": 0.015})
+    assert profile["idle_share"] == pytest.approx(70 / 480)
+    no_graph = [e for e in events if e["cat"] != "kernel"]
+    assert bench.step_profile(no_graph, steps=3) == {"graph_launches": 6, "graph_kernels_traced": False}

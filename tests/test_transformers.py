@@ -324,6 +324,15 @@ def test_eval_end_to_end(tmp_path, capsys):
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_per_channel_schemes_take_blocks_of_whole_token_groups(tiny):
+    """KIVI's keys share a scale per channel over 32 tokens, which may not straddle blocks: a cache asked for
+    16-token blocks takes 32 for it (kvqc eval's default block size serves every shipped scheme)."""
+    past = kq.cache("kivi_k2v2", tiny.config, backend="reference", block_size=16)
+    assert [layer.block_size for layer in past.layers] == [32, 32]
+    assert [layer.block_size for layer in kq.cache("int8_token", tiny.config, backend="reference").layers] == [16, 16]
+    generate(tiny, prompt(1), 2, past, attention=kq.ATTENTION)
+
+
 def test_pareto_takes_each_schemes_worst_text_and_marks_lmdeploys_policies(tmp_path):
     """--plot-from draws eval's records without a model: a point per scheme at its fp16-metadata bits and its worst
     text's ratio, the schemes in LMDeploy's caches named with their policy; records of two models are refused."""

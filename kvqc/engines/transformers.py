@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -631,6 +632,16 @@ def check_model(model, *, probe: bool = True) -> None:
         )
 
 
+def _fitting_block_size(module: ModuleType, block_size: int) -> int:
+    """block_size, or its least multiple a scheme with per-channel scales takes: their scale groups of tokens may not
+    straddle blocks (KIVI's keys: 32 tokens)."""
+    for side in ("key", "value"):
+        scale = module.SCHEME[side]["scale"]
+        if scale.get("axis") == "channel":
+            block_size = math.lcm(block_size, scale["group_size"])
+    return block_size
+
+
 def cache(
     scheme: str | Path,
     config,
@@ -649,8 +660,9 @@ def cache(
     scheme: a scheme name, a generated .py, a scheme .yaml, or "none" (unquantized). backend: "triton",
     "interpreter" or "reference". device / dtype: of the cache tensors (default: those of the first K/V stored);
     dtype is the metadata dtype of quantized layers and the storage dtype of "none" layers. block_size: tokens
-    per cache block. max_cache_len: allocate every row's blocks up front for this many tokens (default: blocks on
-    demand). layer_schemes: {layer index: scheme} overrides, negative indices counting from the last layer.
+    per cache block (a scheme with per-channel scales takes its least multiple of their token group).
+    max_cache_len: allocate every row's blocks up front for this many tokens (default: blocks on demand).
+    layer_schemes: {layer index: scheme} overrides, negative indices counting from the last layer.
     decode_time: a pass of several tokens attends as decoding them one at a time would, for schemes with a
     recent-token window: token i reads tokens i - WINDOW + 1 .. i as given and older ones from the cache (without
     it every token of the pass reads the cache as the whole pass left it, its ring holding the pass's last tokens);
@@ -709,7 +721,7 @@ def cache(
                 )
             loaded[key] = module
         layers.append(QuantizedLayer(index, label, loaded[key], backend, num_kv_heads, head_dim,
-                                     block_size=block_size, **common))
+                                     block_size=_fitting_block_size(loaded[key], block_size), **common))
         if decode_time:
             layers[-1].exact_recent = getattr(loaded[key], "WINDOW", 0)
     return KVQCCache(layers, backend)

@@ -2161,36 +2161,14 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 LAYOUTS = ("bhsd", "bshd")
 
 
-@dataclass
-class KVCache:
-    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
-    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
-
-    key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
-    key_meta:  model dtype, last dim 1: norm
-    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
-    value_meta:  model dtype, last dim 1: norm
-    key_window, value_window: model dtype [max_seqs, WINDOW, num_kv_heads, head_dim]: each sequence's last
-        WINDOW = 8 tokens as given (slot position % WINDOW), in the row its window_index names
-    """
-
-    key_codes: torch.Tensor
-    key_meta: torch.Tensor
-    value_codes: torch.Tensor
-    value_meta: torch.Tensor
-    head_dim: int
-    layout: str
-    key_window: torch.Tensor
-    value_window: torch.Tensor
+class _PagedCache:
+    """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
+    block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
 
     def __post_init__(self) -> None:
         # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
         # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
         self.head_dim = _as_int(self.head_dim)
-
-    @property
-    def max_seqs(self) -> int:
-        return self.key_window.shape[0]
 
     @property
     def num_blocks(self) -> int:
@@ -2213,6 +2191,33 @@ class KVCache:
         return self.key_codes.device
 
 
+@dataclass
+class KVCache(_PagedCache):
+    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
+    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
+
+    key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
+    key_meta:  model dtype, last dim 1: norm
+    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
+    value_meta:  model dtype, last dim 1: norm
+    key_window, value_window: model dtype [max_seqs, WINDOW, num_kv_heads, head_dim]: each sequence's last
+        WINDOW = 8 tokens as given (slot position % WINDOW), in the row its window_index names
+    """
+
+    key_codes: torch.Tensor
+    key_meta: torch.Tensor
+    value_codes: torch.Tensor
+    value_meta: torch.Tensor
+    head_dim: int
+    layout: str
+    key_window: torch.Tensor
+    value_window: torch.Tensor
+
+    @property
+    def max_seqs(self) -> int:
+        return self.key_window.shape[0]
+
+
 def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     """Cache bytes for one token and one KV head (K and V codes plus metadata): size an engine's pool with it."""
     head_dim = _check_head_dim(head_dim, "head_dim")
@@ -2220,12 +2225,6 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     return head_dim * (KEY_CODE_BITS + VALUE_CODE_BITS) // 8 + item * (
         _meta_width("key", head_dim) + _meta_width("value", head_dim)
     )
-
-
-def window_bytes(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
-    """Ring bytes for one sequence and one KV head (its last WINDOW tokens of K and V in the model dtype)."""
-    head_dim = _check_head_dim(head_dim, "head_dim")
-    return 2 * WINDOW * head_dim * _check_dtype(dtype).itemsize
 
 
 def _meta_width(side: str, head_dim: int) -> int:
@@ -2378,54 +2377,6 @@ def fill(
         WINDOW=WINDOW,
         BLOCK_T=_FILL_BLOCK_T,
     )
-
-
-def _require(call: str, **arguments) -> None:
-    """A window scheme's fill, flatten, plan_decode, decode and attend need to know each token's ring row."""
-    for name, value in arguments.items():
-        if value is None:
-            raise ValueError(
-                f"{call}: {SCHEME['name']} keeps each sequence's last "
-                f"{WINDOW} tokens in a ring: pass the {name} keyword"
-            )
-
-
-def _check_window_tokens(
-    cache: KVCache,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    window_index: torch.Tensor,
-) -> None:
-    """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
-    kept = slot_mapping >= 0
-    bad = kept & ((window_index < 0) | (window_index >= cache.max_seqs))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
-        )
-    bad = kept & (positions < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"positions: entry {i} is {int(positions[i])}, expected positions >= 0 for every token with a slot"
-        )
-    bad = kept & (slot_mapping % cache.block_size != positions % cache.block_size)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"slot_mapping: entry {i} is slot {int(slot_mapping[i])} "
-            f"for position {int(positions[i])}; a token's offset in "
-            f"its block must be its position % block_size ({cache.block_size})"
-        )
-    # Skipped tokens belong to no sequence: each is a run of its own.
-    owner = torch.where(kept, window_index.to(torch.int64), -1 - torch.arange(len(kept), device=kept.device))
-    same = owner[1:] == owner[:-1]
-    if bool((same & (positions[1:] != positions[:-1] + 1)).any()):
-        raise ValueError("positions: a sequence's tokens in one call must be consecutive and in position order")
-    runs = torch.cat([owner[:1], owner[1:][~same]])
-    if runs.numel() != runs.unique().numel():
-        raise ValueError("window_index: a sequence's tokens in one call must be consecutive (one run per sequence)")
 
 
 def flatten(
@@ -2846,28 +2797,6 @@ def _reduce(
     return out
 
 
-def _decode_config(head_dim: int) -> tuple:
-    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
-    head_dim."""
-    if head_dim in _DECODE_CONFIGS:
-        return _DECODE_CONFIGS[head_dim]
-    block_n, *rest = _DECODE_DEFAULT
-    return (block_n if head_dim <= 128 else block_n // 2, *rest)
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Enough programs to fill the GPU (decode's splits, fill's looping programs); two on the interpreter, so tests
-    still cross a split and fills loop over several tiles."""
-    if device.type == "cuda":
-        return per_sm * _sm_count(device)
-    return 2
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=None)
 def _dependent_launch(device: torch.device) -> bool:
     """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
@@ -2951,12 +2880,74 @@ def _check_scale(scale, head_dim: int) -> float:
     return value
 
 
+def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join(str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
+        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
+
+
+def _check_paging(
+    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
+) -> None:
+    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
+    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
+        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
+
+
+def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
+    if block_tables.numel() == 0:
+        return
+    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
+    if bool(bad.any()):
+        seq, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
+            f"{cache.num_blocks} blocks"
+        )
+
+
 def _row_strides(cache: KVCache) -> dict:
     """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
     row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
     if cache.layout == "bhsd":
         return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
     return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
+def _decode_config(head_dim: int) -> tuple:
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
+    head_dim."""
+    if head_dim in _DECODE_CONFIGS:
+        return _DECODE_CONFIGS[head_dim]
+    block_n, *rest = _DECODE_DEFAULT
+    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+
+
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Enough programs to fill the GPU (decode's splits, a looping fill's programs); two on the interpreter, so
+    tests still cross a split and a looping fill takes several tiles a program."""
+    if device.type == "cuda":
+        return per_sm * _sm_count(device)
+    return 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_cache(cache: KVCache) -> None:
@@ -2989,6 +2980,19 @@ def _cache_state(state: dict) -> tuple:
 def _contents(t: torch.Tensor) -> int:
     # Inference-mode tensors keep no version counter (and refuse in-place writes outside inference mode).
     return -1 if t.is_inference() else t._version
+
+
+def _check_memory(name: str, t: torch.Tensor) -> tuple:
+    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
+    item = t.element_size()
+    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
+    held = t.untyped_storage().nbytes() - t.storage_offset() * item
+    if span > held:
+        raise ValueError(
+            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
+            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
+        )
+    return t.data_ptr(), t.data_ptr() + span
 
 
 # The cache tensors the kernels write.
@@ -3054,17 +3058,58 @@ def _check_cache_fields(cache: KVCache) -> bool:
     return True
 
 
-def _check_memory(name: str, t: torch.Tensor) -> tuple:
-    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
-    item = t.element_size()
-    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
-    held = t.untyped_storage().nbytes() - t.storage_offset() * item
-    if span > held:
+def window_bytes(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
+    """Ring bytes for one sequence and one KV head (its last WINDOW tokens of K and V in the model dtype)."""
+    head_dim = _check_head_dim(head_dim, "head_dim")
+    return 2 * WINDOW * head_dim * _check_dtype(dtype).itemsize
+
+
+def _require(call: str, **arguments) -> None:
+    """A window scheme's fill, flatten, plan_decode, decode and attend need to know each token's ring row."""
+    for name, value in arguments.items():
+        if value is None:
+            raise ValueError(
+                f"{call}: {SCHEME['name']} keeps each sequence's last "
+                f"{WINDOW} tokens in a ring: pass the {name} keyword"
+            )
+
+
+def _check_window_tokens(
+    cache: KVCache,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    window_index: torch.Tensor,
+) -> None:
+    """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
+    kept = slot_mapping >= 0
+    bad = kept & ((window_index < 0) | (window_index >= cache.max_seqs))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
         raise ValueError(
-            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
-            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
+            f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
         )
-    return t.data_ptr(), t.data_ptr() + span
+    bad = kept & (positions < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"positions: entry {i} is {int(positions[i])}, expected positions >= 0 for every token with a slot"
+        )
+    bad = kept & (slot_mapping % cache.block_size != positions % cache.block_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"slot_mapping: entry {i} is slot {int(slot_mapping[i])} "
+            f"for position {int(positions[i])}; a token's offset in "
+            f"its block must be its position % block_size ({cache.block_size})"
+        )
+    # Skipped tokens belong to no sequence: each is a run of its own.
+    owner = torch.where(kept, window_index.to(torch.int64), -1 - torch.arange(len(kept), device=kept.device))
+    same = owner[1:] == owner[:-1]
+    if bool((same & (positions[1:] != positions[:-1] + 1)).any()):
+        raise ValueError("positions: a sequence's tokens in one call must be consecutive and in position order")
+    runs = torch.cat([owner[:1], owner[1:][~same]])
+    if runs.numel() != runs.unique().numel():
+        raise ValueError("window_index: a sequence's tokens in one call must be consecutive (one run per sequence)")
 
 
 def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) -> None:
@@ -3077,46 +3122,6 @@ def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) 
                 f"window_index: entry {i} is {int(window_index[i])}, "
                 f"expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
             )
-
-
-def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join(str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
-    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
-        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
-
-
-def _check_paging(
-    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
-) -> None:
-    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
-    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
-    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
-        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
-
-
-def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
-    if block_tables.numel() == 0:
-        return
-    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
-            f"{cache.num_blocks} blocks"
-        )
 
 
 def __getattr__(name: str):

@@ -67,6 +67,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
 # projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
+_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# Decode unpacks codes with inline PTX where the format has a helper.
+_FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
@@ -85,10 +89,6 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
-# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
-_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
-# Decode unpacks codes with inline PTX where the format has a helper.
-_FAST_UNPACK = _COMPILED_CUDA
 
 
 @triton.jit

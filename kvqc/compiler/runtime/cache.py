@@ -11,7 +11,7 @@ import triton.language as tl
 
 if TYPE_CHECKING:
     from kvqc.compiler.runtime.checks import _as_int
-    from kvqc.compiler.runtime.scope import _INTERPRET
+    from kvqc.compiler.runtime.environment import _INTERPRET
 
 # ---- generated modules carry the rest of this file verbatim ----
 

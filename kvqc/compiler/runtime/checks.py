@@ -13,7 +13,8 @@ import torch
 
 if TYPE_CHECKING:
     from kvqc.compiler.runtime.cache import _FLOAT_DTYPES, _INDEX_DTYPES
-    from kvqc.compiler.runtime.scope import DEBUG, HEAD_DIMS, SCHEME, KVCache
+    from kvqc.compiler.runtime.environment import DEBUG
+    from kvqc.compiler.runtime.scope import HEAD_DIMS, SCHEME, KVCache
 
 # ---- generated modules carry the rest of this file verbatim ----
 

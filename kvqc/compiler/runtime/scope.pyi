@@ -8,11 +8,9 @@ import torch
 
 from kvqc.compiler.runtime.cache import _PagedCache
 
-DEBUG: bool  # KVQC_DEBUG=1: check indices against the cache on GPU tensors too
 HEAD_DIMS: tuple[int, ...]  # the head sizes the scheme is built for
 SCHEME: dict  # the scheme as data
 WINDOW: int  # window schemes only: recent tokens per sequence kept unquantized
-_INTERPRET: bool  # TRITON_INTERPRET=1
 _DECODE_CONFIGS: dict[int, tuple]  # decode's launch settings per head_dim
 _DECODE_DEFAULT: tuple  # ... for a head_dim the table does not name
 

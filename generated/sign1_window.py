@@ -2190,6 +2190,12 @@ def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
     )
 
 
+def window_bytes(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
+    """Ring bytes for one sequence and one KV head (its last WINDOW tokens of K and V in the model dtype)."""
+    head_dim = _check_head_dim(head_dim, "head_dim")
+    return 2 * WINDOW * head_dim * _check_dtype(dtype).itemsize
+
+
 def _meta_width(side: str, head_dim: int) -> int:
     """Metadata values per token and KV head of K (side="key") or V: the fields, once per scale group."""
     metadata, group_size = (KEY_METADATA, KEY_GROUP_SIZE) if side == "key" else (VALUE_METADATA, VALUE_GROUP_SIZE)
@@ -2993,12 +2999,6 @@ def _check_cache_fields(cache: KVCache) -> bool:
         if start < end:
             raise ValueError(f"cache.{second}: shares memory with cache.{first}; give each cache tensor its own")
     return True
-
-
-def window_bytes(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
-    """Ring bytes for one sequence and one KV head (its last WINDOW tokens of K and V in the model dtype)."""
-    head_dim = _check_head_dim(head_dim, "head_dim")
-    return 2 * WINDOW * head_dim * _check_dtype(dtype).itemsize
 
 
 def _require(call: str, **arguments) -> None:

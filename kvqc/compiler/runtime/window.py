@@ -1,5 +1,5 @@
-"""What only window schemes carry: the ring's size, the keywords their calls require, and the checks of the ring
-rows and of the tokens one fill takes.
+"""What only window schemes carry: the keywords their calls require, and the checks of the ring rows and of the
+tokens one fill takes.
 
 The modules of window schemes carry this text (see kvqc/compiler/runtime/__init__.py).
 """
@@ -10,16 +10,10 @@ import torch
 
 if TYPE_CHECKING:
     from kvqc.compiler.runtime.cache import _INDEX_DTYPES
-    from kvqc.compiler.runtime.checks import _check_dtype, _check_head_dim, _check_tensor, _checking
+    from kvqc.compiler.runtime.checks import _check_tensor, _checking
     from kvqc.compiler.runtime.scope import SCHEME, WINDOW, KVCache
 
 # ---- generated modules carry the rest of this file verbatim ----
-
-
-def window_bytes(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
-    """Ring bytes for one sequence and one KV head (its last WINDOW tokens of K and V in the model dtype)."""
-    head_dim = _check_head_dim(head_dim, "head_dim")
-    return 2 * WINDOW * head_dim * _check_dtype(dtype).itemsize
 
 
 def _require(call: str, **arguments) -> None:

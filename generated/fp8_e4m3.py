@@ -630,20 +630,108 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
     return entry
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is registered (Triton's profilers): then every launch is Triton's own."""
+    return _KNOBS is None or bool(_KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls)
+
+
 def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args, **constexprs) -> None:
     """_launch for a call repeated with the same grid, integers, dtypes and constexprs, only tensor addresses
     changing (a decode plan's launches, once per layer): `site` names it with whatever alignment may change, and
-    its compiled kernel is looked up once per site, not per call."""
+    its compiled kernel is looked up once per site, not per call. While `launches` holds a list under _TAKEN, each
+    launch is also appended to it, for _Replay."""
     entry = launches.get(site) if launches is not None else None
-    if entry is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
+    if entry is None or _hooked():
         entry = _launch(kernel, grid, *args, **constexprs)
         if entry is not None and launches is not None:
             launches[site] = entry
-        return
-    compiled, tail = entry
-    x, y, z = (*grid, 1, 1)[:3]
-    compiled.run(x, y, z, _RAW_STREAM(torch.cuda.current_device()), compiled.function, compiled.packed_metadata, None,
-                 None, None, *args, *tail)
+    else:
+        compiled, tail = entry
+        x, y, z = (*grid, 1, 1)[:3]
+        compiled.run(x, y, z, _RAW_STREAM(torch.cuda.current_device()), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *tail)
+    taken = launches.get(_TAKEN) if launches is not None else None
+    if taken is not None:
+        taken.append((kernel, grid, args, constexprs, entry))
+
+
+_TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launches` (sites are tuples)
+
+
+class _Replay:
+    """One layer's decode launches, taken by the first call of a plan, run again for every later layer: each
+    launch's compiled kernel and arguments, all fixed but the layer's own tensors (the query, the output and the
+    cache's), which go in by position. Compiled launches take addresses as integers, which Triton's launcher passes
+    as they are (a tensor costs it a driver call to check its pointer, about half a microsecond each). A layer's
+    host time is then the cache check, the output's allocation and the launches."""
+
+    __slots__ = ("launches", "out_dtype", "kept")
+
+    def __init__(self, launches: list, out_dtype: torch.dtype, kept: tuple) -> None:
+        self.launches = launches
+        self.out_dtype = out_dtype
+        self.kept = kept  # the tensors whose addresses the launches hold, alive as long as the replay
+
+    @classmethod
+    def of(cls, taken: list, query: torch.Tensor, cache_tensors: tuple, out: torch.Tensor, kept: tuple
+           ) -> "_Replay | None":
+        """The replay of the call that launched `taken` and returned `out`, or None where some launch reads a
+        tensor that is neither the layer's (the query or a view of it, out, a cache tensor) nor one in `kept`
+        (what the plan and the module hold for every layer): a temporary a torch op made, which a replay would
+        not remake."""
+        kept_ids = {id(t) for t in kept}
+        launches, writes_out = [], False
+        for kernel, grid, args, constexprs, entry in taken:
+            slots, addresses = [], list(args)
+            for at, arg in enumerate(args):
+                if not isinstance(arg, torch.Tensor):
+                    continue
+                if id(arg) in kept_ids:
+                    addresses[at] = arg.data_ptr()
+                    continue
+                layer = _layer_slot(arg, query, out, cache_tensors)
+                if layer is None:
+                    return None
+                slots.append((at, layer))
+                writes_out |= layer == 1
+            compiled, tail = entry if entry is not None else (None, ())
+            grid = (*grid, 1, 1)[:3]
+            launches.append((grid, kernel, args, (*addresses, *tail), tuple(slots), constexprs, compiled))
+        return cls(launches, out.dtype, kept) if writes_out else None
+
+    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list,
+                 out: "torch.Tensor | None" = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(query, dtype=self.out_dtype)
+        hooked = _hooked()
+        if not hooked:
+            stream = _RAW_STREAM(torch.cuda.current_device())
+            layer = (query.data_ptr(), out.data_ptr(), *cache_addresses)
+        for grid, kernel, args, addresses, slots, constexprs, compiled in self.launches:
+            if compiled is None or hooked:  # Triton's own launch (the interpreter, a profiler's hooks)
+                args = list(args)
+                for at, index in slots:
+                    args[at] = (query, out, *cache_tensors)[index]
+                kernel[grid](*args, **constexprs)
+                continue
+            if slots:
+                addresses = list(addresses)
+                for at, index in slots:
+                    addresses[at] = layer[index]
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *addresses)
+        return out
+
+
+def _layer_slot(arg: torch.Tensor, query: torch.Tensor, out: torch.Tensor, cache_tensors: tuple) -> "int | None":
+    """Where `arg` comes from in a replay's (query, out, *cache_tensors): kernels read a tensor by its address
+    alone, so a contiguous view of the query (its rows flattened) is the query."""
+    for index, t in enumerate(cache_tensors):
+        if arg is t:
+            return 2 + index
+    for index, t in ((0, query), (1, out)):
+        if arg.data_ptr() == t.data_ptr() and arg.dtype == t.dtype and arg.numel() == t.numel() and arg.is_contiguous():
+            return index
+    return None
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -954,6 +1042,7 @@ class DecodePlan:
     pdl: bool
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -1027,6 +1116,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         pdl=_dependent_launch(device),
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -1057,6 +1147,7 @@ def decode(
     window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
+    out: "torch.Tensor | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
@@ -1064,11 +1155,21 @@ def decode(
     window_index serves schemes with a recent-token window; this one has none and does not read it.
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
+    out: a [batch, num_q_heads, head_dim] tensor in the query's dtype on the cache's device (an engine's attention
+    output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
+    if out is not None:
+        _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
+    target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -1086,11 +1187,19 @@ def decode(
         _check_plan(plan, query, cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
-        return torch.zeros_like(query)
+        return torch.zeros_like(query) if target is None else target.zero_()
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.
     aligned = (query.data_ptr() % 16 == 0, *(t.data_ptr() % 16 == 0 for t in _cache_tensors(cache)))
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
     q = q.contiguous()
 
@@ -1137,7 +1246,38 @@ def decode(
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
-    return out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, *scratch.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
+    return out if target is None else target.copy_(out)
+
+
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    geometry = _geometry(cache)
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[-1]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    tensors = _cache_tensors(cache)
+    addresses = [t.data_ptr() for t in tensors]
+    aligned = (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in addresses))
+    replay = plan.replays.get((aligned, _check_scale(scale, cache.head_dim)))
+    return replay(query, tensors, addresses, out) if replay is not None else None
 
 
 def _reduce(

@@ -179,6 +179,10 @@ def _explain(args: argparse.Namespace) -> int:
         print("           on sm_90 with fp16 at head_dim 128: a Gluon kernel for the whole tile (_gluon_decode)")
     print(f"           reads at least {layout.bytes_per_token(d)} bytes per token and KV head: the floor `kvqc bench` "
           "measures against")
+    if layout.decode_replays:
+        print("           with a plan: later layers replay the first layer's launches with their own tensors")
+    else:
+        print("           with a plan: every layer takes the whole call (the wrapper maps vectors in torch)")
     return 0
 
 

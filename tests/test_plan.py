@@ -7,8 +7,10 @@ refuse what it was not made for. On a GPU the planned launches call the compiled
 
 import pytest
 import torch
-from conftest import DEVICE, generated
+from conftest import ALL_SCHEMES, DEVICE, ROOT, generated
 
+from kvqc.compiler.layout import plan as layout_of
+from kvqc.compiler.spec import load_scheme
 from kvqc.tools import bench
 
 LENS, BLOCK_SIZE, KV_HEADS, Q_HEADS = [5, 70, 33], 32, 2, 4
@@ -56,6 +58,34 @@ def test_planned_layers_decode_what_unplanned_calls_decode(name):
         assert plan.launches and all(entry is not None for entry in plan.launches.values())
 
 
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_later_layers_replay_what_the_plan_promises(name):
+    """Where the plan says decode is kernel launches alone (Layout.decode_replays, `kvqc explain`), a plan's first
+    layer leaves its launches and the next layer replays them with its own tensors, decoding what an unplanned call
+    decodes, a strided query (an engine's view into its QKV projection) too; a scale the first layer did not show
+    takes the whole call, and leaves a replay of its own. Elsewhere no layer replays."""
+    m, caches, queries, paging, ring = layers(name, count=2)
+    replays = layout_of(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml")).decode_replays
+    plan = m.plan_decode(caches[0], *paging, Q_HEADS, queries[0].dtype, window_index=ring)
+    for query, cache in zip(queries, caches):
+        want = m.decode(query, cache, *paging, window_index=ring)
+        assert torch.equal(m.decode(query, cache, *paging, window_index=ring, plan=plan), want)
+    taken = [type(r).__name__ for r in getattr(plan, "replays", {}).values()]
+    assert taken == (["_Replay"] if replays else []), taken
+    rows = torch.full_like(queries[1], float("nan"))  # an engine's output buffer: decode writes every element
+    assert m.decode(queries[1], caches[1], *paging, window_index=ring, plan=plan, out=rows) is rows
+    assert torch.equal(rows, want)
+    if not replays:
+        return
+    strided = queries[1].transpose(0, 1).contiguous().transpose(0, 1)  # the same values, rows not contiguous
+    want = m.decode(strided, caches[1], *paging, window_index=ring)
+    assert torch.equal(m.decode(strided, caches[1], *paging, window_index=ring, plan=plan), want)
+    want = m.decode(queries[1], caches[1], *paging, window_index=ring, scale=0.25)
+    for cache in (caches[0], caches[1]):  # the second call replays the first's
+        got = m.decode(queries[1], cache, *paging, window_index=ring, scale=0.25, plan=plan)
+    assert torch.equal(got, want) and len(plan.replays) == 2
+
+
 def test_a_plan_refuses_what_it_was_not_made_for():
     m, caches, queries, paging, _ = layers("int4_token", count=1)
     plan = m.plan_decode(caches[0], *paging, Q_HEADS, torch.float16)
@@ -67,6 +97,10 @@ def test_a_plan_refuses_what_it_was_not_made_for():
     other = m.allocate_cache(caches[0].num_blocks + 1, BLOCK_SIZE, KV_HEADS, caches[0].head_dim, device=DEVICE)
     with pytest.raises(ValueError, match="cache: the plan serves caches shaped"):
         m.decode(queries[0], other, *paging, plan=plan)
+    with pytest.raises(ValueError, match=r"out: expected dtype in \(torch.float16,\)"):
+        m.decode(queries[0], caches[0], *paging, plan=plan, out=queries[0].float())
+    with pytest.raises(ValueError, match=r"out: expected shape \[3, 4, 128\]"):
+        m.decode(queries[0], caches[0], *paging, plan=plan, out=queries[0][:1])
     with pytest.raises(ValueError, match="plan: expected a DecodePlan"):
         m.decode(queries[0], caches[0], *paging, plan=object())
     with pytest.raises(ValueError, match="num_q_heads: expected a positive multiple"):

@@ -324,6 +324,29 @@ def test_eval_end_to_end(tmp_path, capsys):
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_pareto_takes_each_schemes_worst_text_and_marks_lmdeploys_policies(tmp_path):
+    """--plot-from draws eval's records without a model: a point per scheme at its fp16-metadata bits and its worst
+    text's ratio, the schemes in LMDeploy's caches named with their policy; records of two models are refused."""
+    def record(scheme, text, ratio, model="m.gguf"):
+        return {"scheme": scheme, "text": text, "perplexity_ratio": ratio, "model": model, "text_tokens": 100,
+                "backend": "reference", "bits_per_coordinate_fp16_metadata": [4.25, 2.125], "policy": None}
+
+    results = [record("turbo_k4v2", "a.txt", 1.2), record("turbo_k4v2", "b.txt", 1.3), record("mine", "a.txt", 1.1),
+               record("none", "a.txt", 1.0)]
+    assert kvqc_eval.pareto_points(results) == [(3.1875, 1.1, "mine"), (3.1875, 1.3, "turbo_k4v2 = LMDeploy 42")]
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(results))
+    png = tmp_path / "pareto.png"
+    parser = argparse.ArgumentParser()
+    kvqc_eval.add_arguments(parser)
+    assert kvqc_eval.run(parser.parse_args(["--plot-from", str(path), "--png", str(png)])) == 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([record("mine", "a.txt", 1.1, model="n.gguf")]))
+    assert kvqc_eval.run(parser.parse_args(["--plot-from", str(path), str(other)])) == 2
+
+
 def test_eval_usage_errors(capsys):
     parser = argparse.ArgumentParser()
     kvqc_eval.add_arguments(parser)

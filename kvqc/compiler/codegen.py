@@ -140,7 +140,6 @@ def render(scheme: Scheme) -> str:
     data.pop("description")  # free text stays out of generated source
     source = _environment().get_template("module.py.j2").render(
         version=__version__,
-        scheme=scheme,
         origin=origin(scheme),
         layout=layout,
         scheme_literal=pprint.pformat(data, width=100, sort_dicts=True),

@@ -96,6 +96,77 @@ class SideLayout:
             return f"{self.name.upper()}_PAD" if self.padded else self.dim
         return "HEAD_PAD" if self.padded else "HEAD_DIM"
 
+    # The scheme's fields the templates name, read here so that templates read the plan alone.
+    @property
+    def level_bits(self) -> int:
+        """Bits of the codebook index, before any residual bit."""
+        return self.scheme.codebook.bits
+
+    @property
+    def residual(self) -> str:
+        """The residual stage: "none", "sign" (one bit and the residual's RMS) or "qjl"."""
+        return self.scheme.residual.kind
+
+    @property
+    def levels(self) -> int:
+        return 2 ** self.scheme.codebook.bits
+
+    @property
+    def scalar_codebook(self) -> bool:
+        """A Lloyd-Max codebook of at most 16 entries: kernels load it into scalars once and select among them."""
+        return self.lloyd_max and self.scheme.codebook.bits <= 4
+
+    @property
+    def packing(self) -> str:
+        """"split" (each plane's chunks side by side) or "interleaved" (position order mixes the chunks)."""
+        return self.scheme.packing
+
+    @property
+    def qjl(self) -> bool:
+        return self.scheme.residual.kind == "qjl"
+
+    @property
+    def qjl_seed(self) -> int:
+        return self.scheme.residual.seed
+
+    @property
+    def scale_kind(self) -> str:
+        """"norm" (per-token L2 norm), "absmax" (symmetric scale) or "minmax" (scale and zero)."""
+        return self.scheme.scale.kind
+
+    @property
+    def unbiased(self) -> bool:
+        """Norm-scaled codes rescaled by <x, x_hat> / ||x_hat||^2 (DRIVE/EDEN), so inner products are unbiased."""
+        return self.scheme.scale.unbiased
+
+    @property
+    def outlier_fraction(self) -> float:
+        """A split side's share of head_dim's channels quantized apart."""
+        return self.whole.outliers.fraction
+
+    @property
+    def outlier_select(self) -> str:
+        """How a split side's outlier channels are chosen: "fixed" (outlier_channels) or the statistic calibrate()
+        ranks each KV head's channels by."""
+        return self.whole.outliers.select
+
+    @property
+    def outlier_channels(self) -> tuple[int, ...]:
+        return tuple(self.whole.outliers.channels)
+
+    @property
+    def lloyd_max(self) -> bool:
+        return self.scheme.codebook.kind == "lloyd_max"
+
+    @property
+    def fp8_dtype(self) -> str:
+        """The Triton dtype of an fp8 codebook's codes."""
+        return "tl.float8e4nv" if self.scheme.codebook.format == "e4m3" else "tl.float8e5"
+
+    @property
+    def rotation_seed(self) -> int:
+        return self.scheme.rotation.seed
+
     @property
     def code_bits(self) -> int:
         return self.scheme.code_bits
@@ -380,6 +451,18 @@ class Layout:
     value_outlier: SideLayout | None = None
 
     @property
+    def name(self) -> str:
+        return self.scheme.name
+
+    @property
+    def content_hash(self) -> str:
+        return self.scheme.content_hash
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return self.scheme.head_dims
+
+    @property
     def padded(self) -> bool:
         """Some head_dim is not a power of two: kernels take HEAD_PAD."""
         return any(d & (d - 1) for d in self.scheme.head_dims)
@@ -479,6 +562,15 @@ class Layout:
         norms = key.row_factor == value.row_factor == "norm" and not key.row_shift and not value.row_shift
         fits = key.fast_unpack in ("lut3s", "lut4") and value.fast_unpack == "lut2"
         return key.fast_unpack if whole and norms and fits else ""
+
+    @property
+    def decode_replays(self) -> bool:
+        """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
+        between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
+        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
+        or moves the window's output into the rotated basis."""
+        in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
+        return in_kernels and not (self.window and self.value.uses_matrix)
 
     @property
     def flatten_unpacks(self) -> bool:

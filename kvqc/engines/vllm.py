@@ -148,7 +148,7 @@ def forward(
         metadata.decode_plan = plan or metadata.decode_plan
         if plan is not None:
             block_table, seq_lens = plan.block_tables, plan.seq_lens  # the tensors the plan was made with
-        output[:reqs] = module.decode(query[:reqs], cache, block_table, seq_lens, scale=scale, plan=plan)
+        module.decode(query[:reqs], cache, block_table, seq_lens, scale=scale, plan=plan, out=output[:reqs])
         return output
     starts = metadata.query_start_loc_cpu[: reqs + 1].tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]

@@ -158,18 +158,19 @@ def graph_ms(call: Callable[[], object], count: int, timer: Callable | None = No
     return ms / count
 
 
-def host_us(call: Callable[[], object], calls: int = 200) -> float:
-    """Median over 5 rounds of the CPU time one call takes to return, calls queued back to back without waiting
-    for the GPU (a few hundred launches stay inside CUDA's launch queue)."""
-    rounds = []
-    for _ in range(6):
+def host_us(call: Callable[[], object], calls: int = 32, rounds: int = 11) -> float:
+    """Median over rounds of the CPU time one call takes to return, `calls` calls queued back to back without
+    waiting for the GPU: few enough launches that none waits for room in CUDA's launch queue (a few hundred would,
+    and would time the GPU instead)."""
+    times = []
+    for _ in range(rounds):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             call()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        times.append((time.perf_counter() - start) / calls)
     torch.cuda.synchronize()
-    return statistics.median(rounds[1:])  # the first round warms up
+    return statistics.median(times[1:]) * 1e6  # the first round warms up
 
 
 def _rotating(fn: Callable, arg_sets: list[tuple]) -> Callable[[], None]:

@@ -98,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the results (default: kvqc-eval.json)")
     parser.add_argument("--png", default="kvqc-eval.png", metavar="FILE",
                         help="where to write the Pareto plot when matplotlib is installed (default: kvqc-eval.png)")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON",
+                        help="draw the Pareto plot of these --json files of one model, running nothing")
     parser.add_argument("--backend", choices=("reference", "interpreter", "triton"),
                         help="how the kvqc cache runs (default: triton with CUDA, else reference)")
     parser.add_argument("--max-tokens", type=int, default=1024, metavar="N",
@@ -431,13 +433,31 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Bits per coordinate (mean of K and V, as stored) against the perplexity increase; False without matplotlib.
+def pareto_points(results: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(bits, worst perplexity ratio over the texts, label) per scheme: bits per coordinate with fp16 metadata, mean
+    of K and V, as `kvqc list` counts them at the model's head_dim. The schemes kvqc puts in LMDeploy's
+    quant_policy caches are labelled with the policy: turbo_k4v2 holds policy 42's bytes, int4_token and
+    int8_token fit policies 4 and 8's layout."""
+    from kvqc.engines.lmdeploy import BYTE_COMPATIBLE, POLICIES
 
-    Both axes are logarithmic-ish (x log2, y symlog) so that a near-lossless 8-bit point and a broken 3-bit one fit
-    on one plot; the dashed line joins the Pareto-optimal points (no other point has fewer bits and a smaller
-    increase). Labels that would overlap are pushed apart vertically.
-    """
+    policy = {fields[-1]: f"= LMDeploy {number}" if number in BYTE_COMPATIBLE else f"(LMDeploy {number}'s layout)"
+              for number, fields in POLICIES.items()}
+    worst: dict[str, tuple[float, float]] = {}
+    for r in results:
+        if "perplexity_ratio" not in r or r["scheme"] == "none":
+            continue
+        name = r["scheme"] + (" (policy)" if r.get("policy") else "")
+        bits = sum(r["bits_per_coordinate_fp16_metadata"]) / 2
+        worst[name] = (bits, max(r["perplexity_ratio"], worst.get(name, (0, 0))[1]))
+    return [(bits, ratio, f"{name} {policy[name]}" if name in policy else name)
+            for name, (bits, ratio) in sorted(worst.items())]
+
+
+def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Bits per coordinate against the worst perplexity ratio over the texts, one point per scheme; False without
+    matplotlib. Both axes are logarithmic, so near-lossless 8-bit points and broken 2-bit ones share the plot; the
+    dashed line joins the Pareto-optimal schemes (no other has fewer bits and a smaller ratio); LMDeploy's
+    quant_policy caches are orange. Labels that would overlap are pushed apart vertically."""
     try:
         import matplotlib
 
@@ -446,11 +466,12 @@ def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
         from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
     except ImportError:
         return False
-    points = [(sum(r["bits_per_coordinate"]) / 2, r["perplexity"] - r["baseline_perplexity"],
-               r["scheme"] + (" (policy)" if r.get("policy") else ""), r["scheme"] == "none") for r in results]
+    points = pareto_points(results)
+    if not points:
+        return False
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for x, y, _, baseline in points:
-        ax.scatter([x], [y], s=40, zorder=3, color="tab:gray" if baseline else "tab:blue")
+    for x, y, name in points:
+        ax.scatter([x], [y], s=40, zorder=3, color="tab:orange" if "LMDeploy" in name else "tab:blue")
     front = sorted((p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)),
                    key=lambda p: p[0])
     if len(front) > 1:
@@ -458,23 +479,24 @@ def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
                 label="Pareto front")
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(FixedLocator([2, 3, 4, 5, 6, 8, 12, 16, 24, 32]))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    span = max(abs(p[1]) for p in points) or 1.0
-    linthresh = max(1e-3, min((abs(p[1]) for p in points if abs(p[1]) > 1e-6), default=1e-2))
-    lowest = min(p[1] for p in points)
-    ax.set_yscale("symlog", linthresh=linthresh)
-    ax.set_ylim(bottom=3 * lowest if lowest < -linthresh else -0.5 * linthresh, top=3 * span)
-    ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xlabel("bits per coordinate, mean of K and V (metadata in the cache dtype, as stored)")
-    ax.set_ylabel("perplexity increase over the unquantized cache (symlog)")
+    ax.xaxis.set_major_locator(FixedLocator([2, 2.5, 3, 4, 5, 6, 8, 12, 16]))
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(FixedLocator([r for r in (1, 1.02, 1.05, 1.085, 1.15, 1.25, 1.5, 2, 3, 5, 10)
+                                             if r <= 1.2 * max(p[1] for p in points)]))
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_locator(NullLocator())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(min(0.99, min(p[1] for p in points) * 0.99), max(p[1] for p in points) * 1.2)
+    ax.set_xlim(min(p[0] for p in points) / 1.15, max(p[0] for p in points) * 1.6)  # room for the labels
+    ax.axhline(1, color="black", linewidth=0.6)
+    ax.set_xlabel("bits per coordinate, mean of K and V (fp16 metadata, as kvqc list counts them)")
+    ax.set_ylabel("perplexity ratio to the unquantized cache (worst text)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="major", linewidth=0.3)
     fig.tight_layout()
     labels = [ax.annotate(name, (x, y), textcoords="offset points", xytext=(7, 5), fontsize=8)
-              for x, y, name, _ in sorted(points, key=lambda p: (-p[1], p[0]))]
+              for x, y, name in sorted(points, key=lambda p: (-p[1], p[0]))]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     placed = []
@@ -490,6 +512,16 @@ def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _title(results: list[dict[str, Any]]) -> str:
+    """The plot's title from its records: the model, the texts, the backend and the perplexity pass."""
+    measured = [r for r in results if "perplexity_ratio" in r and r["scheme"] != "none"]
+    texts = {r["text"] for r in measured}
+    tokens = sorted({r["text_tokens"] for r in measured})
+    span = f"{tokens[0]}" if len(tokens) == 1 else f"{tokens[0]}-{tokens[-1]}"
+    return (f"{Path(measured[0]['model']).name}: worst of {len(texts)} text{'s' * (len(texts) > 1)} ({span} tokens), "
+            f"{measured[0]['backend']} backend{', decode-time' if measured[0].get('decode_time') else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -510,8 +542,35 @@ def _progress(total: int):
         return _Quiet()
 
 
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    if not any("perplexity_ratio" in r for r in results):
+        print("no quantized scheme was measured: no plot written", file=sys.stderr)
+    elif pareto_png(results, path, _title(results)):
+        print(f"wrote {path}")
+    else:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+
+
+def replot(files: list[str], png: str) -> int:
+    """The Pareto plot of records `kvqc eval --json` wrote, without running a model: one model's runs, e.g. a
+    scheme measured later beside the catalogue's run."""
+    results = []
+    for name in files:
+        try:
+            results += json.loads(Path(name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--plot-from {name}: not a kvqc eval JSON ({exc})") from None
+    models = {Path(r["model"]).name for r in results if "model" in r}
+    if len(models) != 1:
+        raise UsageError(f"--plot-from: expected the records of one model, got {sorted(models) or 'none'}")
+    _plot(results, Path(png or "kvqc-eval.png"))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.plot_from:
+            return replot(args.plot_from, args.png)
         return _run(args)
     except UsageError as exc:
         print(f"kvqc eval: {exc}", file=sys.stderr)
@@ -746,14 +805,7 @@ def _run(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(results + skipped, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {json_path}")
     if args.png:
-        first = text_fields[0]
-        title = (f"{path.name}: {first['text_tokens']} tokens"
-                 f"{' of ' + Path(first['text']).name + f' (text 1 of {len(texts)})' if len(texts) > 1 else ''}"
-                 f", backend {backend}")
-        if pareto_png([r for r in results if r["text"] == first["text"]], Path(args.png), title):
-            print(f"wrote {args.png}")
-        else:
-            print("matplotlib is not installed: no plot written", file=sys.stderr)
+        _plot(results, Path(args.png))
     print(f"total {total:.1f} s (model load {load_seconds:.1f} s)")
     return 0
 

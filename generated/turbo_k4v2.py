@@ -1970,11 +1970,6 @@ class _PagedCache:
     """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
     block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
 
-    def __post_init__(self) -> None:
-        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
-        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
-        self.head_dim = _as_int(self.head_dim)
-
     @property
     def num_blocks(self) -> int:
         return self.key_codes.shape[0]
@@ -2013,6 +2008,11 @@ class KVCache(_PagedCache):
     value_meta: torch.Tensor
     head_dim: int
     layout: str
+
+    def __post_init__(self) -> None:
+        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
+        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
+        self.head_dim = _as_int(self.head_dim)
 
 
 def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:

@@ -2253,11 +2253,6 @@ class _PagedCache:
     """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
     block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
 
-    def __post_init__(self) -> None:
-        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
-        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
-        self.head_dim = _as_int(self.head_dim)
-
     @property
     def num_blocks(self) -> int:
         return self.key_codes.shape[0]
@@ -2300,6 +2295,11 @@ class KVCache(_PagedCache):
     layout: str
     key_window: torch.Tensor
     value_window: torch.Tensor
+
+    def __post_init__(self) -> None:
+        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
+        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
+        self.head_dim = _as_int(self.head_dim)
 
     @property
     def max_seqs(self) -> int:
@@ -2471,6 +2471,54 @@ def fill(
         WINDOW=WINDOW,
         BLOCK_T=_FILL_BLOCK_T,
     )
+
+
+def _require(call: str, **arguments) -> None:
+    """A window scheme's fill, flatten, plan_decode, decode and attend need to know each token's ring row."""
+    for name, value in arguments.items():
+        if value is None:
+            raise ValueError(
+                f"{call}: {SCHEME['name']} keeps each sequence's last "
+                f"{WINDOW} tokens in a ring: pass the {name} keyword"
+            )
+
+
+def _check_window_tokens(
+    cache: KVCache,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    window_index: torch.Tensor,
+) -> None:
+    """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
+    kept = slot_mapping >= 0
+    bad = kept & ((window_index < 0) | (window_index >= cache.max_seqs))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
+        )
+    bad = kept & (positions < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"positions: entry {i} is {int(positions[i])}, expected positions >= 0 for every token with a slot"
+        )
+    bad = kept & (slot_mapping % cache.block_size != positions % cache.block_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"slot_mapping: entry {i} is slot {int(slot_mapping[i])} "
+            f"for position {int(positions[i])}; a token's offset in "
+            f"its block must be its position % block_size ({cache.block_size})"
+        )
+    # Skipped tokens belong to no sequence: each is a run of its own.
+    owner = torch.where(kept, window_index.to(torch.int64), -1 - torch.arange(len(kept), device=kept.device))
+    same = owner[1:] == owner[:-1]
+    if bool((same & (positions[1:] != positions[:-1] + 1)).any()):
+        raise ValueError("positions: a sequence's tokens in one call must be consecutive and in position order")
+    runs = torch.cat([owner[:1], owner[1:][~same]])
+    if runs.numel() != runs.unique().numel():
+        raise ValueError("window_index: a sequence's tokens in one call must be consecutive (one run per sequence)")
 
 
 def flatten(
@@ -3157,54 +3205,6 @@ def _check_cache_fields(cache: KVCache) -> bool:
         if start < end:
             raise ValueError(f"cache.{second}: shares memory with cache.{first}; give each cache tensor its own")
     return True
-
-
-def _require(call: str, **arguments) -> None:
-    """A window scheme's fill, flatten, plan_decode, decode and attend need to know each token's ring row."""
-    for name, value in arguments.items():
-        if value is None:
-            raise ValueError(
-                f"{call}: {SCHEME['name']} keeps each sequence's last "
-                f"{WINDOW} tokens in a ring: pass the {name} keyword"
-            )
-
-
-def _check_window_tokens(
-    cache: KVCache,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    window_index: torch.Tensor,
-) -> None:
-    """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
-    kept = slot_mapping >= 0
-    bad = kept & ((window_index < 0) | (window_index >= cache.max_seqs))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"window_index: entry {i} is {int(window_index[i])}, expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
-        )
-    bad = kept & (positions < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"positions: entry {i} is {int(positions[i])}, expected positions >= 0 for every token with a slot"
-        )
-    bad = kept & (slot_mapping % cache.block_size != positions % cache.block_size)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"slot_mapping: entry {i} is slot {int(slot_mapping[i])} "
-            f"for position {int(positions[i])}; a token's offset in "
-            f"its block must be its position % block_size ({cache.block_size})"
-        )
-    # Skipped tokens belong to no sequence: each is a run of its own.
-    owner = torch.where(kept, window_index.to(torch.int64), -1 - torch.arange(len(kept), device=kept.device))
-    same = owner[1:] == owner[:-1]
-    if bool((same & (positions[1:] != positions[:-1] + 1)).any()):
-        raise ValueError("positions: a sequence's tokens in one call must be consecutive and in position order")
-    runs = torch.cat([owner[:1], owner[1:][~same]])
-    if runs.numel() != runs.unique().numel():
-        raise ValueError("window_index: a sequence's tokens in one call must be consecutive (one run per sequence)")
 
 
 def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) -> None:

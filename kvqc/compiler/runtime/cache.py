@@ -10,7 +10,6 @@ import torch
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kvqc.compiler.runtime.checks import _as_int
     from kvqc.compiler.runtime.environment import _INTERPRET
 
 # ---- generated modules carry the rest of this file verbatim ----
@@ -32,11 +31,6 @@ LAYOUTS = ("bhsd", "bshd")
 class _PagedCache:
     """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
     block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
-
-    def __post_init__(self) -> None:
-        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
-        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
-        self.head_dim = _as_int(self.head_dim)
 
     @property
     def num_blocks(self) -> int:

@@ -10,7 +10,6 @@ from kvqc.compiler.runtime.cache import _PagedCache
 
 HEAD_DIMS: tuple[int, ...]  # the head sizes the scheme is built for
 SCHEME: dict  # the scheme as data
-WINDOW: int  # window schemes only: recent tokens per sequence kept unquantized
 _DECODE_CONFIGS: dict[int, tuple]  # decode's launch settings per head_dim
 _DECODE_DEFAULT: tuple  # ... for a head_dim the table does not name
 

@@ -67,6 +67,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
 # projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
+_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# Decode unpacks codes with inline PTX where the format has a helper.
+_FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
@@ -87,10 +91,6 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = True
-# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
-_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
-# Decode unpacks codes with inline PTX where the format has a helper.
-_FAST_UNPACK = _COMPILED_CUDA
 
 
 @triton.jit
@@ -947,28 +947,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 LAYOUTS = ("bhsd", "bshd")
 
 
-@dataclass
-class KVCache:
-    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
-    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
-
-    key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
-    key_meta:  model dtype, last dim 2: scale, zero
-    value_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
-    value_meta:  model dtype, last dim 2: scale, zero
-    """
-
-    key_codes: torch.Tensor
-    key_meta: torch.Tensor
-    value_codes: torch.Tensor
-    value_meta: torch.Tensor
-    head_dim: int
-    layout: str
-
-    def __post_init__(self) -> None:
-        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
-        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
-        self.head_dim = _as_int(self.head_dim)
+class _PagedCache:
+    """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
+    block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
 
     @property
     def num_blocks(self) -> int:
@@ -989,6 +970,30 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.key_codes.device
+
+
+@dataclass
+class KVCache(_PagedCache):
+    """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
+    [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
+
+    key_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
+    key_meta:  model dtype, last dim 2: scale, zero
+    value_codes: uint8, last dim head_dim * 4 / 8 (bit planes 4, split packing)
+    value_meta:  model dtype, last dim 2: scale, zero
+    """
+
+    key_codes: torch.Tensor
+    key_meta: torch.Tensor
+    value_codes: torch.Tensor
+    value_meta: torch.Tensor
+    head_dim: int
+    layout: str
+
+    def __post_init__(self) -> None:
+        # head_dim sizes every check and launch: an integer of another type (numpy's, from a model config's
+        # arithmetic) becomes an int; anything else (a float from hidden_size / num_heads) the first call refuses.
+        self.head_dim = _as_int(self.head_dim)
 
 
 def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
@@ -1492,27 +1497,6 @@ def _reduce(
     return out
 
 
-def _decode_config(head_dim: int) -> tuple:
-    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
-    head_dim."""
-    if head_dim in _DECODE_CONFIGS:
-        return _DECODE_CONFIGS[head_dim]
-    block_n, *rest = _DECODE_DEFAULT
-    return (block_n if head_dim <= 128 else block_n // 2, *rest)
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Enough split programs to fill the GPU; two on the interpreter, so tests still cross a split."""
-    if device.type == "cuda":
-        return per_sm * _sm_count(device)
-    return 2
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=None)
 def _dependent_launch(device: torch.device) -> bool:
     """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
@@ -1580,12 +1564,74 @@ def _check_scale(scale, head_dim: int) -> float:
     return value
 
 
+def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join(str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
+        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
+
+
+def _check_paging(
+    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
+) -> None:
+    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
+    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
+        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
+
+
+def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
+    if block_tables.numel() == 0:
+        return
+    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
+    if bool(bad.any()):
+        seq, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
+            f"{cache.num_blocks} blocks"
+        )
+
+
 def _row_strides(cache: KVCache) -> dict:
     """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
     row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
     if cache.layout == "bhsd":
         return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
     return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
+def _decode_config(head_dim: int) -> tuple:
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
+    head_dim."""
+    if head_dim in _DECODE_CONFIGS:
+        return _DECODE_CONFIGS[head_dim]
+    block_n, *rest = _DECODE_DEFAULT
+    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+
+
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Enough programs to fill the GPU (decode's splits, a looping fill's programs); two on the interpreter, so
+    tests still cross a split and a looping fill takes several tiles a program."""
+    if device.type == "cuda":
+        return per_sm * _sm_count(device)
+    return 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_cache(cache: KVCache) -> None:
@@ -1618,6 +1664,19 @@ def _cache_state(state: dict) -> tuple:
 def _contents(t: torch.Tensor) -> int:
     # Inference-mode tensors keep no version counter (and refuse in-place writes outside inference mode).
     return -1 if t.is_inference() else t._version
+
+
+def _check_memory(name: str, t: torch.Tensor) -> tuple:
+    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
+    item = t.element_size()
+    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
+    held = t.untyped_storage().nbytes() - t.storage_offset() * item
+    if span > held:
+        raise ValueError(
+            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
+            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
+        )
+    return t.data_ptr(), t.data_ptr() + span
 
 
 # The cache tensors the kernels write.
@@ -1673,59 +1732,6 @@ def _check_cache_fields(cache: KVCache) -> bool:
         if start < end:
             raise ValueError(f"cache.{second}: shares memory with cache.{first}; give each cache tensor its own")
     return True
-
-
-def _check_memory(name: str, t: torch.Tensor) -> tuple:
-    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
-    item = t.element_size()
-    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
-    held = t.untyped_storage().nbytes() - t.storage_offset() * item
-    if span > held:
-        raise ValueError(
-            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
-            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
-        )
-    return t.data_ptr(), t.data_ptr() + span
-
-
-def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join(str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
-    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
-        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
-
-
-def _check_paging(
-    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
-) -> None:
-    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
-    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
-    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
-        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
-
-
-def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
-    if block_tables.numel() == 0:
-        return
-    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
-            f"{cache.num_blocks} blocks"
-        )
 
 
 def __getattr__(name: str):

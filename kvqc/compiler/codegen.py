@@ -25,6 +25,8 @@ from kvqc.compiler.spec import Scheme, printable
 from kvqc.compiler.wrap import same_tree, wrap
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+RUNTIME = Path(__file__).resolve().parent / "runtime"
+RUNTIME_MARKER = "# ---- generated modules carry the rest of this file verbatim ----\n"
 
 
 def _environment() -> jinja2.Environment:
@@ -68,6 +70,16 @@ def describe(side: SideLayout) -> str:
         parts.append(f"1-bit QJL residual (seed {s.residual.seed})")
     parts.append(f"{s.packing} packing")
     return ", ".join(parts)
+
+
+def runtime_source(name: str) -> str:
+    """What generated modules carry of kvqc/compiler/runtime/NAME.py: the text after its marker line, unchanged (the
+    file's docstring and imports above the marker stay behind; runtime/__init__.py says why)."""
+    text = (RUNTIME / f"{name}.py").read_text(encoding="utf-8")
+    _, marker, body = text.partition("\n" + RUNTIME_MARKER)
+    if not marker or RUNTIME_MARKER in body:
+        raise AssertionError(f"kvqc: runtime/{name}.py needs one marker line, {RUNTIME_MARKER.strip()!r}")
+    return body.strip("\n")
 
 
 def _generator_source() -> str:
@@ -137,6 +149,7 @@ def render(scheme: Scheme) -> str:
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
         tuning=decode_tuning(scheme.name),
+        runtime=runtime_source,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)

@@ -1,0 +1,22 @@
+"""What a module reads from its environment when imported: KVQC_DEBUG, TRITON_INTERPRET, and whether its kernels
+are compiled for CUDA (where inline PTX and griddepcontrol exist).
+
+Every generated module carries this text (see kvqc/compiler/runtime/__init__.py), before its launch settings.
+"""
+
+import os
+
+import torch
+
+# ---- generated modules carry the rest of this file verbatim ----
+
+
+DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
+# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
+_DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
+_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# Decode unpacks codes with inline PTX where the format has a helper.
+_FAST_UNPACK = _COMPILED_CUDA

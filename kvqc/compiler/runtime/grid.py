@@ -1,0 +1,45 @@
+"""Launch shapes: decode's launch settings at a head_dim, how many programs fill the device, and the row strides a
+cache layout gives the kernels.
+
+Every generated module carries this text (see kvqc/compiler/runtime/__init__.py).
+"""
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvqc.compiler.runtime.scope import _DECODE_CONFIGS, _DECODE_DEFAULT, KVCache
+
+# ---- generated modules carry the rest of this file verbatim ----
+
+
+def _row_strides(cache: KVCache) -> dict:
+    """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
+    row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
+    if cache.layout == "bhsd":
+        return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
+    return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
+def _decode_config(head_dim: int) -> tuple:
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
+    head_dim."""
+    if head_dim in _DECODE_CONFIGS:
+        return _DECODE_CONFIGS[head_dim]
+    block_n, *rest = _DECODE_DEFAULT
+    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+
+
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Enough programs to fill the GPU (decode's splits, a looping fill's programs); two on the interpreter, so
+    tests still cross a split and a looping fill takes several tiles a program."""
+    if device.type == "cuda":
+        return per_sm * _sm_count(device)
+    return 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,42 @@
+"""The runtime files (kvqc/compiler/runtime/*.py): plain Python that every generated module carries verbatim below
+each file's marker line, with the imports above it and none of them repeated in the module."""
+
+import ast
+
+import pytest
+from conftest import ALL_SCHEMES, ROOT, SPLIT_SCHEMES, WINDOW_SCHEMES
+
+from kvqc.compiler.codegen import RUNTIME, RUNTIME_MARKER, runtime_source
+
+NAMES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.stem != "__init__")
+# Carried only by some modules: window schemes, channel-split schemes, and those whose flatten takes out=.
+ONLY = {"window": set(WINDOW_SCHEMES), "channels": set(SPLIT_SCHEMES),
+        "flatten_out": set(ALL_SCHEMES) - set(SPLIT_SCHEMES)}
+
+
+def _imports(tree: ast.Module) -> set:
+    """The module-level imports, as source lines (TYPE_CHECKING blocks aside)."""
+    return {ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_runtime_file_has_one_marker_and_its_imports_above_it(name):
+    text = (RUNTIME / f"{name}.py").read_text()
+    assert text.count(RUNTIME_MARKER) == 1
+    head, body = text.split(RUNTIME_MARKER)
+    assert not _imports(ast.parse(body)), "imports belong above the marker: the module has its own"
+    assert body.strip("\n") == runtime_source(name)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_every_module_carries_its_runtime_verbatim_and_each_import_once(scheme):
+    source = (ROOT / "generated" / f"{scheme}.py").read_text()
+    module = ast.parse(source)
+    for name in NAMES:
+        carried = runtime_source(name) in source
+        assert carried == (scheme in ONLY.get(name, {scheme})), name
+        if carried:
+            head = (RUNTIME / f"{name}.py").read_text().split(RUNTIME_MARKER)[0]
+            assert _imports(ast.parse(head)) - {"from typing import TYPE_CHECKING"} <= _imports(module), name
+    lines = [ast.unparse(n) for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert len(lines) == len(set(lines))

@@ -814,19 +814,8 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
         return None
     compiled, tail = entry
     x, y, z = (*grid, 1, 1)[:3]
-    compiled.run(
-        x,
-        y,
-        z,
-        _RAW_STREAM(device),
-        compiled.function,
-        compiled.packed_metadata,
-        None,
-        None,
-        None,
-        *args,
-        *tail,
-    )
+    compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 *tail)
     return entry
 
 

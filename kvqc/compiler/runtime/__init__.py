@@ -1,5 +1,5 @@
 """The static part of every generated module, as plain Python: argument checks, the cache's base class and its
-checks, launch shapes, and the pieces only window or channel-split schemes carry.
+checks, launch shapes and launching, and the pieces only window or channel-split schemes carry.
 
 Each file is ordinary Python that ruff lints and a reader opens, in two parts split by the marker line
 

@@ -1,4 +1,20 @@
-# ---------------------------------------------------------------- launching
+"""Launching kernels with little host time: Triton's own launch once per launch key, its compiled launcher after
+that, and a decode plan's replay of a whole call for the next layers (the comment below the marker says why).
+
+Every generated module carries this text (see kvqc/compiler/runtime/__init__.py).
+"""
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvqc.compiler.runtime.environment import _COMPILED_CUDA
+
+# ---- generated modules carry the rest of this file verbatim ----
+
+
 # Triton binds, specializes and hashes every argument of every launch in Python, which for decode's few dozen
 # arguments is most of an eager call's host time. _launch takes Triton's path once per launch key, which compiles
 # (or loads) the kernel, and afterwards calls the compiled kernel's launcher itself; _launch_at goes further for
@@ -90,7 +106,8 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
         return None
     compiled, tail = entry
     x, y, z = (*grid, 1, 1)[:3]
-    compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+    compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 *tail)
     return entry
 
 

@@ -366,7 +366,7 @@ BAD = {
         _edit(INT8, "bits: 8}", "bits: !!python/object/apply:os.system [echo pwned]}"),
         "could not determine a constructor",
     ),
-    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, got None"),
+    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, sinks, got None"),
 }
 
 

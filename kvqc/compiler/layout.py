@@ -414,6 +414,16 @@ class Layout:
         return self.scheme.window
 
     @property
+    def sinks(self) -> int:
+        """Each sequence's first tokens also kept in the model dtype, in the ring's rows before the ring (0: none)."""
+        return self.scheme.sinks
+
+    @property
+    def window_slots(self) -> int:
+        """Exact tokens a sequence's row holds: its sinks, then the ring of its last `window`."""
+        return self.scheme.sinks + self.scheme.window
+
+    @property
     def per_channel(self) -> tuple[SideLayout, ...]:
         """The sides whose scales are per channel: fill quantizes them a whole token group at a time."""
         return tuple(s for s in self.sides if s.per_channel)
@@ -473,12 +483,13 @@ class Layout:
         """The K kind ("lut3s" or "lut4") of a layout whose decode has a Gluon kernel too (kernels/decode_gluon.py.j2),
         "" otherwise: whole sides (not split or padded), K and V scaled by their norm alone, V lut2, and head_dim
         128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms). With a window it
-        takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel."""
+        takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel; it does not skip
+        attention sinks, so a scheme with sinks has none."""
         key, value = self.key, self.value
         whole = not self.split and not self.padded and 128 in key.head_dims
         norms = key.row_factor == value.row_factor == "norm" and not key.row_shift and not value.row_shift
         fits = key.fast_unpack in ("lut3s", "lut4") and value.fast_unpack == "lut2"
-        return key.fast_unpack if whole and norms and fits else ""
+        return key.fast_unpack if whole and norms and fits and not self.sinks else ""
 
     @property
     def flatten_unpacks(self) -> bool:

@@ -406,7 +406,7 @@ class Reference:
             slot, p, seq = int(slot_mapping[t]), int(positions[t]), int(window_index[t])
             for name, x in (("key", key), ("value", value)):
                 ring = getattr(cache, f"{name}_window")
-                ring[seq, p % w] = x[t].to(ring.dtype)
+                ring[seq, self.exact_slot(p)] = x[t].to(ring.dtype)
                 side = getattr(self.layout, name)
                 if side.per_channel and p % side.token_group == side.token_group - 1:
                     g = side.token_group
@@ -419,6 +419,12 @@ class Reference:
                         codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
                         meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
 
+    def exact_slot(self, position: int) -> int:
+        """Where a position lives in its sequence's row of exact tokens: a sink at its position, any later one in
+        the ring of the last `window`, after the sinks."""
+        sinks = self.scheme.sinks
+        return position if position < sinks else sinks + position % self.scheme.window
+
     def _require(self, call: str, **arguments) -> None:
         """The module's arguments, with its rule: a window scheme needs every token's ring row."""
         for name, value in arguments.items():
@@ -430,8 +436,8 @@ class Reference:
         self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None,
         part: bool = False,
     ) -> torch.Tensor:
-        """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its last
-        `window` tokens, read from the ring row `window_row`."""
+        """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its first `sinks`
+        and last `window` tokens, read as given from the row `window_row`."""
         side = getattr(self.layout, name)
         if side.split and not part:
             # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
@@ -455,10 +461,11 @@ class Reference:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
             x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
-        if seq_len > quantized:
-            ring = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
-            recent = torch.arange(quantized, seq_len) % self.scheme.window
-            x = torch.cat([x, ring[recent]])
+        if seq_len > quantized or self.scheme.sinks:
+            row = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
+            recent = [self.exact_slot(p) for p in range(quantized, seq_len)]
+            sinks = min(self.scheme.sinks, quantized)
+            x = torch.cat([row[:sinks], x[sinks:], row[recent]])
         return x
 
     def flatten(

@@ -261,6 +261,12 @@ class SideLayout:
         return self.coordinate_order and all(d // self.chunks >= 16 for d in self.head_dims)
 
     @property
+    def centered(self) -> bool:
+        """Fill quantizes each vector minus its sequence's mean of the attention sinks (`key_mean`), flatten adds it
+        back. The spec allows it only where fill and flatten move whole chunks (no dense matrix, no padding)."""
+        return self.scheme.center != "none"
+
+    @property
     def dense_matrix(self) -> bool:
         """Fill and flatten multiply by the whole d x d matrix, IN_BLOCK columns at a time."""
         return self.uses_matrix and not self.hadamard_blocks
@@ -422,6 +428,11 @@ class Layout:
     def window_slots(self) -> int:
         """Exact tokens a sequence's row holds: its sinks, then the ring of its last `window`."""
         return self.scheme.sinks + self.scheme.window
+
+    @property
+    def centered(self) -> bool:
+        """Keys are quantized minus their sequence's mean of the sinks (`key_mean`, per sequence row and KV head)."""
+        return self.key.centered
 
     @property
     def per_channel(self) -> tuple[SideLayout, ...]:

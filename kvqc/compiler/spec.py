@@ -135,6 +135,8 @@ class TensorScheme:
     residual: Residual
     packing: str = "split"  # split: byte j, field i holds coordinate j + i*d/k | interleaved: j*k + i
     outliers: Outliers | None = None
+    # sinks: each vector minus its sequence's mean of the attention sinks, quantized (keys only) | none
+    center: str = "none"
 
     @property
     def code_bits(self) -> int:
@@ -220,6 +222,8 @@ class Scheme:
                 "residual": residual(t.residual),
                 "packing": t.packing,
             }
+            if t.center != "none":  # only when set, like scale's optional fields
+                out["center"] = t.center
             if t.outliers:  # only when set, like scale's optional fields
                 o = t.outliers
                 out["outliers"] = {
@@ -462,14 +466,26 @@ def _residual(source: str, path: str, data: Any) -> Residual:
 
 
 def _tensor(source: str, path: str, data: Any) -> TensorScheme:
-    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing", "outliers"))
+    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing", "outliers", "center"))
     t = TensorScheme(
         rotation=_rotation(source, f.field("rotation"), f.data.get("rotation", "none")),
         scale=_scale(source, f.field("scale"), f.require("scale")),
         codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
         residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
         packing=f.choice("packing", ("split", "interleaved"), default="split"),
+        center=f.choice("center", ("none", "sinks"), default="none"),
     )
+    if t.center != "none":
+        # Attention is unchanged by a constant subtracted from every key (softmax cancels it); a value mean would
+        # have to be added back to every output, and a per-channel or split layout has no use for it.
+        if path != "key":
+            f.fail("center", "only keys are centered (attention cancels a key mean, not a value mean); remove it")
+        if t.per_channel:
+            f.fail("center", "per-channel scales already remove each channel's offset; remove center or use axis: token")
+        if f.has("outliers"):
+            f.fail("center", "a centered side cannot have a channel split; remove center or outliers")
+        if t.packing != "split":
+            f.fail("center", "a centered side needs split packing; use packing: split")
     _check_combination(f, t, "")
     if f.has("outliers"):
         t = replace(t, outliers=_outliers(source, f.field("outliers"), f.data["outliers"], t))
@@ -566,6 +582,11 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         window=f.integer("window", 1, MAX_WINDOW) if f.has("window") else 0,
         sinks=f.integer("sinks", 1, MAX_SINKS) if f.has("sinks") else 0,
     )
+    if scheme.key.center == "sinks" and not scheme.sinks:
+        f.fail("key.center", "center: sinks subtracts the mean of each sequence's attention sinks; add sinks: N at the top level")
+    odd = [d for d in scheme.head_dims if d & (d - 1)]
+    if scheme.key.center != "none" and odd:
+        f.fail("head_dims", f"a centered key needs power-of-two head_dims; remove {odd}")
     if scheme.sinks and not scheme.window:
         # The sinks live in the per-sequence rows the window's ring has, read by the ring's decode split.
         f.fail("sinks", "attention sinks are kept in the recent-token window's per-sequence rows; add window: N at the top level")

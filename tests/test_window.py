@@ -45,7 +45,9 @@ class Engine:
             at += k
         self.rows = torch.randperm(len(lens) + 1, generator=g)[: len(lens)]  # ring rows, not the batch order
         channel_scale = 1 + 4 * (torch.rand(head_dim, generator=g) < 0.1)  # outlier channels, as real keys have
-        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale for n in lens]
+        # A key centered on its sinks' mean gets keys with a per-channel offset, as real keys have, to take away.
+        offset = 3 * torch.randn(num_kv_heads, head_dim, generator=g) if m.SCHEME["key"].get("center") else 0
+        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale + offset for n in lens]
         self.value = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lens]
         self.done = [0] * len(lens)
 

@@ -387,9 +387,12 @@ class Reference:
         slots = slot_mapping.cpu()[keep].to(torch.int64)
         block_size = self._blocks(cache, "key")[0].shape[1]
         block, offset = slots // block_size, slots % block_size
+        centered = self.scheme.key.center == "sinks"
         for base, x in (("key", key), ("value", value)):
             if getattr(self.layout, base).per_channel or not len(slots):
                 continue  # per channel: quantized a whole token group at a time, below
+            if base == "key" and centered:
+                continue  # against the sinks' mean, once the sinks are in their rows: below
             x = x.cpu()[keep]
             d = x.shape[-1]
             parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
@@ -418,6 +421,27 @@ class Reference:
                         q = self.side(name, cache.head_dim).quantize_channels(group, meta.dtype)
                         codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
                         meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
+        if centered and len(slots):
+            self._fill_centered_keys(cache, key.cpu()[keep], positions.cpu()[keep], window_index.cpu()[keep], block, offset)
+
+    def key_mean(self, cache: Any, row: int) -> torch.Tensor:
+        """float64 [num_kv_heads, head_dim]: the mean key of the attention sinks in ring row `row`, which the keys
+        after them are quantized against (attention is the same for any constant taken from every key)."""
+        return cache.key_window[row, : self.scheme.sinks].cpu().to(torch.float64).mean(dim=0)
+
+    def _fill_centered_keys(self, cache, key, positions, rows, block, offset) -> None:
+        """Keys after the sinks minus their row's sink mean, quantized into their slots; the sinks as they are
+        (their codes are never read: attention and flatten take them from the row)."""
+        codes, meta = self._blocks(cache, "key")
+        x = key.to(torch.float64)
+        for row in rows.unique().tolist():
+            after = (rows == row) & (positions >= self.scheme.sinks)
+            x[after] -= self.key_mean(cache, row)
+        n, h, d = x.shape
+        q = self.quantize("key", x.reshape(n * h, d), meta.dtype, head_dim=d)
+        at = (block.to(codes.device), offset.to(codes.device))
+        codes[at] = q.codes.view(n, h, -1).to(codes.device)
+        meta[at] = q.meta.view(n, h, -1).to(meta.device)
 
     def exact_slot(self, position: int) -> int:
         """Where a position lives in its sequence's row of exact tokens: a sink at its position, any later one in
@@ -461,6 +485,8 @@ class Reference:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
             x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
+        if name == "key" and self.scheme.key.center == "sinks" and quantized:
+            x = x + self.key_mean(cache, window_row)
         if seq_len > quantized or self.scheme.sinks:
             row = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
             recent = [self.exact_slot(p) for p in range(quantized, seq_len)]

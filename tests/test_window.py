@@ -45,17 +45,23 @@ class Engine:
             at += k
         self.rows = torch.randperm(len(lens) + 1, generator=g)[: len(lens)]  # ring rows, not the batch order
         channel_scale = 1 + 4 * (torch.rand(head_dim, generator=g) < 0.1)  # outlier channels, as real keys have
-        # A key centered on its sinks' mean gets keys with a per-channel offset, as real keys have, to take away.
-        offset = 3 * torch.randn(num_kv_heads, head_dim, generator=g) if m.SCHEME["key"].get("center") else 0
-        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale + offset for n in lens]
+        # A centered key gets keys with a per-channel offset, as real keys have, to take away.
+        self.offset = 3 * torch.randn(num_kv_heads, head_dim, generator=g) if m.SCHEME["key"].get("center") else 0
+        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale + self.offset for n in lens]
+        # A centered key's mean comes from other tokens than the filled ones (a calibration text's).
+        centered = m.SCHEME["key"].get("center")
+        self.sample = (torch.randn(40, num_kv_heads, head_dim, generator=g) + self.offset).to(dtype).to(DEVICE) if centered else None
         self.value = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lens]
         self.done = [0] * len(lens)
 
     def allocate(self):
-        return self.m.allocate_cache(
+        cache = self.m.allocate_cache(
             self.num_blocks, self.bs, self.h, self.d, device=DEVICE, dtype=self.dtype, max_seqs=len(self.lens) + 1,
             layout=self.layout,
         )
+        if self.m.SCHEME["key"].get("center"):
+            self.m.calibrate(cache, self.sample, self.sample)
+        return cache
 
     def call(self, chunk: int):
         """The next `chunk` tokens of every unfinished sequence, then two padding tokens."""

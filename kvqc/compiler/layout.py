@@ -262,8 +262,8 @@ class SideLayout:
 
     @property
     def centered(self) -> bool:
-        """Fill quantizes each vector minus its sequence's mean of the attention sinks (`key_mean`), flatten adds it
-        back. The spec allows it only where fill and flatten move whole chunks (no dense matrix, no padding)."""
+        """Fill quantizes each vector minus its KV head's calibrated mean (`key_mean`), flatten adds it back. The
+        spec allows it only where fill and flatten move whole chunks (no dense matrix, no padding)."""
         return self.scheme.center != "none"
 
     @property
@@ -431,7 +431,7 @@ class Layout:
 
     @property
     def centered(self) -> bool:
-        """Keys are quantized minus their sequence's mean of the sinks (`key_mean`, per sequence row and KV head)."""
+        """Keys are quantized minus their KV head's mean, which `calibrate` sets (`key_mean`)."""
         return self.key.centered
 
     @property

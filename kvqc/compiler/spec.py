@@ -135,7 +135,8 @@ class TensorScheme:
     residual: Residual
     packing: str = "split"  # split: byte j, field i holds coordinate j + i*d/k | interleaved: j*k + i
     outliers: Outliers | None = None
-    # sinks: each vector minus its sequence's mean of the attention sinks, quantized (keys only) | none
+    # calibrated: each vector minus a per-KV-head mean that `calibrate` sets from sample keys, quantized (keys
+    # only) | none
     center: str = "none"
 
     @property
@@ -473,7 +474,7 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
         residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
         packing=f.choice("packing", ("split", "interleaved"), default="split"),
-        center=f.choice("center", ("none", "sinks"), default="none"),
+        center=f.choice("center", ("none", "calibrated"), default="none"),
     )
     if t.center != "none":
         # Attention is unchanged by a constant subtracted from every key (softmax cancels it); a value mean would
@@ -582,8 +583,6 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         window=f.integer("window", 1, MAX_WINDOW) if f.has("window") else 0,
         sinks=f.integer("sinks", 1, MAX_SINKS) if f.has("sinks") else 0,
     )
-    if scheme.key.center == "sinks" and not scheme.sinks:
-        f.fail("key.center", "center: sinks subtracts the mean of each sequence's attention sinks; add sinks: N at the top level")
     odd = [d for d in scheme.head_dims if d & (d - 1)]
     if scheme.key.center != "none" and odd:
         f.fail("head_dims", f"a centered key needs power-of-two head_dims; remove {odd}")

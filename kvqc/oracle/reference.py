@@ -328,11 +328,13 @@ class Reference:
         return torch.stack([select_channels(x[:, h].cpu(), whole, x.shape[-1]) for h in range(x.shape[1])])
 
     def calibrate(self, cache: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Choose each split side's outlier channels from key/value [tokens, num_kv_heads, head_dim] (the
-        generated module's calibrate, in float64)."""
+        """Choose each split side's outlier channels, and a centered key's mean, from key/value [tokens,
+        num_kv_heads, head_dim] (the generated module's calibrate, in float64)."""
         for base, x in (("key", key), ("value", value)):
             if getattr(self.layout, base).split:
                 setattr(cache, f"{base}_channels", self.channels(base, x).to(getattr(cache, f"{base}_codes").device))
+        if self.scheme.key.center == "calibrated":
+            cache.key_mean = key.cpu().to(torch.float64).mean(dim=0).to(torch.float32).to(cache.key_codes.device)
 
     def split(self, base: str, x: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [..., heads, d] in each head's channel order, cut into its parts: {part name: [..., heads, width]}."""
@@ -387,13 +389,12 @@ class Reference:
         slots = slot_mapping.cpu()[keep].to(torch.int64)
         block_size = self._blocks(cache, "key")[0].shape[1]
         block, offset = slots // block_size, slots % block_size
-        centered = self.scheme.key.center == "sinks"
         for base, x in (("key", key), ("value", value)):
             if getattr(self.layout, base).per_channel or not len(slots):
                 continue  # per channel: quantized a whole token group at a time, below
-            if base == "key" and centered:
-                continue  # against the sinks' mean, once the sinks are in their rows: below
             x = x.cpu()[keep]
+            if getattr(self.scheme, base).center == "calibrated":
+                x = x.to(torch.float64) - self.key_mean(cache)
             d = x.shape[-1]
             parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
             for name, xp in parts.items():
@@ -421,27 +422,12 @@ class Reference:
                         q = self.side(name, cache.head_dim).quantize_channels(group, meta.dtype)
                         codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
                         meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
-        if centered and len(slots):
-            self._fill_centered_keys(cache, key.cpu()[keep], positions.cpu()[keep], window_index.cpu()[keep], block, offset)
 
-    def key_mean(self, cache: Any, row: int) -> torch.Tensor:
-        """float64 [num_kv_heads, head_dim]: the mean key of the attention sinks in ring row `row`, which the keys
-        after them are quantized against (attention is the same for any constant taken from every key)."""
-        return cache.key_window[row, : self.scheme.sinks].cpu().to(torch.float64).mean(dim=0)
-
-    def _fill_centered_keys(self, cache, key, positions, rows, block, offset) -> None:
-        """Keys after the sinks minus their row's sink mean, quantized into their slots; the sinks as they are
-        (their codes are never read: attention and flatten take them from the row)."""
-        codes, meta = self._blocks(cache, "key")
-        x = key.to(torch.float64)
-        for row in rows.unique().tolist():
-            after = (rows == row) & (positions >= self.scheme.sinks)
-            x[after] -= self.key_mean(cache, row)
-        n, h, d = x.shape
-        q = self.quantize("key", x.reshape(n * h, d), meta.dtype, head_dim=d)
-        at = (block.to(codes.device), offset.to(codes.device))
-        codes[at] = q.codes.view(n, h, -1).to(codes.device)
-        meta[at] = q.meta.view(n, h, -1).to(meta.device)
+    def key_mean(self, cache: Any) -> torch.Tensor:
+        """float64 [num_kv_heads, head_dim]: the mean key each head's keys are quantized against (calibrate's)."""
+        if cache.key_mean is None:
+            raise ValueError(f"cache.key_mean: {self.scheme.name} quantizes each key minus its head's mean; calibrate first")
+        return cache.key_mean.cpu().to(torch.float64)
 
     def exact_slot(self, position: int) -> int:
         """Where a position lives in its sequence's row of exact tokens: a sink at its position, any later one in
@@ -485,8 +471,8 @@ class Reference:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
             x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
-        if name == "key" and self.scheme.key.center == "sinks" and quantized:
-            x = x + self.key_mean(cache, window_row)
+        if name == "key" and self.scheme.key.center == "calibrated":
+            x = x + self.key_mean(cache)
         if seq_len > quantized or self.scheme.sinks:
             row = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
             recent = [self.exact_slot(p) for p in range(quantized, seq_len)]

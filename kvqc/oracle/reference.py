@@ -353,7 +353,11 @@ class Reference:
         return torch.empty_like(permuted).scatter_(-1, order.cpu().expand(permuted.shape), permuted)
 
     def roundtrip(self, base: str, x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
-        """One KV head's tokens x [tokens, d] quantized and read back (a split side chooses its channels on x)."""
+        """One KV head's tokens x [tokens, d] quantized and read back (a split side chooses its channels on x, a
+        centered one takes x's mean: calibrate's rules on these tokens)."""
+        if getattr(self.scheme, base).center == "calibrated":
+            mean = x.to(torch.float64).mean(dim=0)
+            return self.side(base, x.shape[-1]).roundtrip(x.to(torch.float64) - mean, meta_dtype) + mean
         if not getattr(self.layout, base).split:
             return self.side(base, x.shape[-1]).roundtrip(x, meta_dtype)
         order = self.channels(base, x[:, None])  # [1, d]

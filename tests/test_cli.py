@@ -673,13 +673,13 @@ BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
     "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
     "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36, "turbo_k4v2_w8": 100,
-    "turbo_k2v2_center_w64": 68,
+    "turbo_k2v2_ctr_w64": 68,
     "turbo_outlier_2p5": 88,  # per side: 32 channels x 4 bits + 96 x 2 bits = 40 bytes, and two fp16 norms
 }
-WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64", "turbo_k4v2_w8": "8", "turbo_k2v2_center_w64": "4+64"}
+WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64", "turbo_k4v2_w8": "8", "turbo_k2v2_ctr_w64": "4+64"}
 NOT_AT_128 = ("turbo_k4v2_d80_96",)
 BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
-            "turbo_k4mse_v2": 52, "turbo_k4v2": 54, "kivi_k2v2": 48, "turbo_k4v2_w8": 52, "turbo_k2v2_center_w64": 36}
+            "turbo_k4mse_v2": 52, "turbo_k4v2": 54, "kivi_k2v2": 48, "turbo_k4v2_w8": 52, "turbo_k2v2_ctr_w64": 36}
 
 
 def test_list_prints_one_line_per_scheme(monkeypatch):

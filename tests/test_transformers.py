@@ -677,7 +677,7 @@ def test_decode_time_pass_reads_what_decoding_reads(tiny, scheme):
 def test_centered_scheme_calibrates_on_the_samples_given(tiny):
     """cache(..., calibration=calibration_samples(model, ids)): each layer's key mean comes from the calibration
     text's K, and a decode-time pass over another text gives the logits that feeding it one token at a time gives."""
-    scheme = "turbo_k2v2_center_w64"
+    scheme = "turbo_k2v2_ctr_w64"
     tiny.set_attn_implementation(kq.ATTENTION)
     samples = kq.calibration_samples(tiny, prompt(5, 40))
     ids = prompt(11, 90)  # longer than the 4 sinks and the 64-token window: some keys are quantized

@@ -96,7 +96,7 @@ def _list(args: argparse.Namespace) -> int:
     d = args.head_dim
     schemes = [load_scheme(path) for path in _schemes(args.schemes)]  # every file valid before any output
     print(f"{'scheme':<20} {'K bits':>7} {'V bits':>7} {'bytes/token':>12} {'vs fp16':>8} {'window':>7}   "
-          f"(head_dim {d}, 16-bit metadata; window: recent tokens kept unquantized)")
+          f"(head_dim {d}, 16-bit metadata; window: recent tokens kept unquantized, S+W: the first S too)")
     for scheme in schemes:
         if d not in scheme.head_dims:
             print(f"{scheme.name:<20} (not built for head_dim {d}; built for {list(scheme.head_dims)})")
@@ -104,7 +104,7 @@ def _list(args: argparse.Namespace) -> int:
         layout = plan(scheme)
         kb, vb = scheme.bits_per_coordinate(d)
         print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} {layout.compression_ratio(d):>7.2f}x "
-              f"{scheme.window or '-':>7}")
+              f"{(f'{scheme.sinks}+{scheme.window}' if scheme.sinks else scheme.window) or '-':>7}")
     return 0
 
 
@@ -144,25 +144,37 @@ def _explain(args: argparse.Namespace) -> int:
                     else f"calibrate(cache, key, value) takes the {side.part_dim(d)} of largest {o.select} per KV head")
             print(f"  {side.base + '_channels':<12} int64   [H, {d}]  each KV head's channel order, its {side.part_dim(d)} "
                   f"outlier channels first ({rule}); once per layer, not per token")
+    slots = scheme.sinks + scheme.window
     if scheme.window:
-        print(f"ring tensors ([max_seqs, {scheme.window}, H, d], one row per live sequence):")
+        print(f"ring tensors ([max_seqs, {slots}, H, d], one row per live sequence):")
         for name in ("key", "value"):
-            print(f"  {name + '_window':<12} fp16    [max_seqs, {scheme.window}, H, {d}]  the sequence's last "
-                  f"{scheme.window} tokens as given, at position % {scheme.window}")
+            sinks = f"first {scheme.sinks} (attention sinks) at their positions and its " if scheme.sinks else ""
+            at = f"{scheme.sinks} + position % {scheme.window}" if scheme.sinks else f"position % {scheme.window}"
+            print(f"  {name + '_window':<12} fp16    [max_seqs, {slots}, H, {d}]  the sequence's {sinks}last "
+                  f"{scheme.window} tokens as given, at {at}")
+    if layout.centered:
+        print(f"  {'key_mean':<12} fp32    [H, {d}]  each KV head's mean key, which its keys are quantized against "
+              "(calibrate); once per layer, not per token")
     print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), {layout.compression_ratio(d):.2f}x smaller")
     if scheme.window:
-        print(f"ring bytes per sequence and KV head: {4 * d * scheme.window} (the last {scheme.window} tokens' K and V "
+        tokens = f"first {scheme.sinks} and last {scheme.window}" if scheme.sinks else f"last {scheme.window}"
+        print(f"ring bytes per sequence and KV head: {4 * d * slots} (the {tokens} tokens' K and V "
               "in fp16, besides their slots)")
     for side in layout.sides:
         print(f"{side.name}: {describe(side)}")
     print("kernels:")
     if layout.split:
         print("  calibrate  once per layer, before the first fill: choose each KV head's outlier channels from sample K/V")
+    if layout.centered:
+        print("  calibrate  once per layer, before the first fill: each KV head's mean key from sample K")
     print("  fill     quantize new tokens [T, H, d] and write them to slot_mapping's slots (negative = skip)")
     if layout.split:
         print("           each head's channels in its order, outliers first; each part rotated, scaled and coded apart")
+    if layout.centered:
+        print("           keys minus their head's mean (key_mean) before the rotation; flatten adds it back")
     if scheme.window:
-        print(f"           and copy each sequence's last {scheme.window} into its ring row (positions, window_index)")
+        first = f"first {scheme.sinks} and " if scheme.sinks else ""
+        print(f"           and copy each sequence's {first}last {scheme.window} into its ring row (positions, window_index)")
     for side in layout.per_channel:
         print(f"           {side.name}: when a token completes a group of {side.token_group}, quantize the group "
               "from this call's tokens and the ring")
@@ -172,7 +184,8 @@ def _explain(args: argparse.Namespace) -> int:
     if layout.split:
         print("           a split side: scores summed over its two parts, one output per part, put back in channel order")
     if scheme.window:
-        print(f"           the last {scheme.window} tokens: one more split over the ring, unquantized")
+        first = f"first {scheme.sinks} and " if scheme.sinks else ""
+        print(f"           the {first}last {scheme.window} tokens: one more split over the ring, unquantized")
     for side in layout.sides:
         print(f"           {side.name}: {side.decode_path()}")
     if layout.gluon_decode:

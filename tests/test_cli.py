@@ -366,7 +366,7 @@ BAD = {
         _edit(INT8, "bits: 8}", "bits: !!python/object/apply:os.system [echo pwned]}"),
         "could not determine a constructor",
     ),
-    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, got None"),
+    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, sinks, got None"),
 }
 
 
@@ -673,12 +673,13 @@ BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
     "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
     "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36, "turbo_k4v2_w8": 100,
+    "turbo_k2v2_ctr_w64": 68,
     "turbo_outlier_2p5": 88,  # per side: 32 channels x 4 bits + 96 x 2 bits = 40 bytes, and two fp16 norms
 }
-WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64", "turbo_k4v2_w8": "8"}
+WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64", "turbo_k4v2_w8": "8", "turbo_k2v2_ctr_w64": "4+64"}
 NOT_AT_128 = ("turbo_k4v2_d80_96",)
 BYTES_64 = {"fp8_e4m3": 132, "fp8_e5m2": 132, "int4_token": 72, "int8_token": 136, "turbo_eden_k4v2": 52,
-            "turbo_k4mse_v2": 52, "turbo_k4v2": 54, "kivi_k2v2": 48, "turbo_k4v2_w8": 52}
+            "turbo_k4mse_v2": 52, "turbo_k4v2": 54, "kivi_k2v2": 48, "turbo_k4v2_w8": 52, "turbo_k2v2_ctr_w64": 36}
 
 
 def test_list_prints_one_line_per_scheme(monkeypatch):
@@ -763,8 +764,9 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     for side in ("key", "value"):
         assert out.count(f"  {side + '_codes':<12} uint8") == 1 and out.count(f"  {side + '_meta':<12} fp16") == 1
     if scheme.window:
-        assert f"ring bytes per sequence and KV head: {4 * shown * scheme.window}" in out
-        assert out.count(f"[max_seqs, {scheme.window}, H, {shown}]") == 2
+        slots = scheme.sinks + scheme.window
+        assert f"ring bytes per sequence and KV head: {4 * shown * slots}" in out
+        assert out.count(f"[max_seqs, {slots}, H, {shown}]") == 2
 
 
 def test_explain_unsupported_head_dim_falls_back(capsys):

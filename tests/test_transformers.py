@@ -704,3 +704,23 @@ def test_decode_time_pass_reads_what_decoding_reads(tiny, scheme):
     error = (one_pass[True] - stepwise).abs().max().item()
     assert error < 1e-4, error
     assert (one_pass[False] - stepwise).abs().max().item() > 100 * max(error, 1e-6)
+
+
+def test_centered_scheme_calibrates_on_the_samples_given(tiny):
+    """cache(..., calibration=calibration_samples(model, ids)): each layer's key mean comes from the calibration
+    text's K, and a decode-time pass over another text gives the logits that feeding it one token at a time gives."""
+    scheme = "turbo_k2v2_ctr_w64"
+    tiny.set_attn_implementation(kq.ATTENTION)
+    samples = kq.calibration_samples(tiny, prompt(5, 40))
+    ids = prompt(11, 90)  # longer than the 4 sinks and the 64-token window: some keys are quantized
+    with torch.no_grad():
+        one = kq.cache(scheme, tiny.config, backend="reference", block_size=16, decode_time=True, calibration=samples)
+        one_pass = tiny(ids, **with_cache(tiny, one)).logits[0].double()
+        past = kq.cache(scheme, tiny.config, backend="reference", block_size=16, calibration=samples)
+        stepwise = torch.cat([tiny(ids[:, i:i + 1], **with_cache(tiny, past)).logits[0] for i in range(ids.shape[1])])
+    tiny.set_attn_implementation("sdpa")
+    for layer in one.layers:
+        key, _ = samples[layer.layer_idx]
+        torch.testing.assert_close(layer.cache.key_mean, key.float().mean(dim=0))
+    error = (one_pass - stepwise.double()).abs().max().item()
+    assert error < 1e-4, error

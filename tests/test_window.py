@@ -18,6 +18,7 @@ from test_kernels import META_RTOL, OUT_RTOL, check_lazy_matches_eager, rel_err
 
 EXTRA = sorted(str(p) for p in (ROOT / "tests" / "schemes" / "window").glob("*.yaml"))
 ALL = WINDOW_SCHEMES + EXTRA
+SINKS = WINDOW_SCHEMES + [n for n in EXTRA if "\nsinks:" in open(n).read()]  # every scheme with attention sinks
 
 
 def group_tokens(m) -> int:
@@ -44,15 +45,23 @@ class Engine:
             at += k
         self.rows = torch.randperm(len(lens) + 1, generator=g)[: len(lens)]  # ring rows, not the batch order
         channel_scale = 1 + 4 * (torch.rand(head_dim, generator=g) < 0.1)  # outlier channels, as real keys have
-        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale for n in lens]
+        # A centered key gets keys with a per-channel offset, as real keys have, to take away.
+        self.offset = 3 * torch.randn(num_kv_heads, head_dim, generator=g) if m.SCHEME["key"].get("center") else 0
+        self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale + self.offset for n in lens]
+        # A centered key's mean comes from other tokens than the filled ones (a calibration text's).
+        centered = m.SCHEME["key"].get("center")
+        self.sample = (torch.randn(40, num_kv_heads, head_dim, generator=g) + self.offset).to(dtype).to(DEVICE) if centered else None
         self.value = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lens]
         self.done = [0] * len(lens)
 
     def allocate(self):
-        return self.m.allocate_cache(
+        cache = self.m.allocate_cache(
             self.num_blocks, self.bs, self.h, self.d, device=DEVICE, dtype=self.dtype, max_seqs=len(self.lens) + 1,
             layout=self.layout,
         )
+        if self.m.SCHEME["key"].get("center"):
+            self.m.calibrate(cache, self.sample, self.sample)
+        return cache
 
     def call(self, chunk: int):
         """The next `chunk` tokens of every unfinished sequence, then two padding tokens."""
@@ -115,7 +124,7 @@ cases = st.fixed_dictionaries(
         "block_mult": st.sampled_from([1, 2, 4]),
         "num_kv_heads": st.sampled_from([1, 2]),
         "group": st.sampled_from([1, 4, 7]),
-        # The first sequence is `window` tokens longer than drawn, so that every example quantizes some tokens.
+        # The first sequence is `sinks + window` tokens longer than drawn, so that every example quantizes some.
         "lens": st.lists(st.integers(0, 300 if DEEP else 100), min_size=1, max_size=3),
         "chunks": st.lists(st.sampled_from([1, 2, 13, 40, 100]), min_size=1, max_size=4),
         "dtype": st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
@@ -133,7 +142,7 @@ def test_window_kernels_match_reference(name, c):
     dims = [d for d in m.HEAD_DIMS if DEEP or d <= 128]
     head_dim = dims[c["head_dim"] % len(dims)]
     block_size = max(16, group_tokens(m)) * c["block_mult"]
-    lens = [c["lens"][0] + m.WINDOW] + c["lens"][1:]
+    lens = [c["lens"][0] + getattr(m, "SINKS", 0) + m.WINDOW] + c["lens"][1:]
     e = Engine(m, head_dim, block_size, c["num_kv_heads"], lens, c["dtype"], c["seed"], c["layout"])
     cache, want = e.allocate(), e.allocate()
     # A first chunk as long as the longest sequence would be one prefill; the drawn chunks, then single tokens.
@@ -161,11 +170,12 @@ def test_window_kernels_match_reference(name, c):
     assert rel_err(out, want_out) < OUT_RTOL[c["dtype"]]
 
 
-@pytest.mark.parametrize("name", WINDOW_SCHEMES)
+@pytest.mark.parametrize("name", SINKS, ids=[n.rsplit("/", 1)[-1].removesuffix(".yaml") for n in SINKS])
 def test_tokens_in_the_window_come_back_as_given(name):
     m = generated(name)
     d = m.HEAD_DIMS[0]
-    e = Engine(m, d, 64, 2, [m.WINDOW, 5, m.WINDOW + 37], torch.float16, 0)
+    sinks = getattr(m, "SINKS", 0)
+    e = Engine(m, d, 64, 2, [m.WINDOW, 5, sinks + m.WINDOW + 37], torch.float16, 0)
     cache = e.allocate()
     fill(m, cache, e.call(1000))
     block_tables, seq_lens, rows = e.paging()
@@ -178,7 +188,10 @@ def test_tokens_in_the_window_come_back_as_given(name):
     assert torch.equal(key[:n].cpu(), torch.cat(e.key[:2]).half())
     assert torch.equal(value[:n].cpu(), torch.cat(e.value[:2]).half())
     assert torch.equal(key[-m.WINDOW:].cpu(), e.key[2][-m.WINDOW:].half())
-    assert not torch.equal(key[n : n + 37].cpu(), e.key[2][:37].half())
+    # Its first SINKS (the attention sinks) exactly too, the 37 between them not.
+    assert torch.equal(key[n : n + sinks].cpu(), e.key[2][:sinks].half())
+    assert torch.equal(value[n : n + sinks].cpu(), e.value[2][:sinks].half())
+    assert not torch.equal(key[n + sinks : n + sinks + 37].cpu(), e.key[2][sinks : sinks + 37].half())
     # Decode over the first two is fp16 attention over the raw tokens.
     query = torch.randn(3, 4, d).half().to(DEVICE)
     out = m.decode(query, cache, block_tables, seq_lens, window_index=rows)

@@ -47,7 +47,7 @@ def _floats(values: tuple[float, ...]) -> str:
 def describe(side: SideLayout) -> str:
     """One line saying what a side stores, for docstrings and `kvqc explain`."""
     s = side.scheme
-    parts = []
+    parts = ["minus its KV head's calibrated mean"] if side.centered else []
     if s.rotation.kind == "hadamard":
         parts.append("randomized Hadamard rotation" if s.rotation.signs else "Walsh-Hadamard rotation")
     if s.per_channel:

@@ -332,6 +332,12 @@ class SideLayout:
         return self.coordinate_order and all(d // self.chunks >= 16 for d in self.head_dims)
 
     @property
+    def centered(self) -> bool:
+        """Fill quantizes each vector minus its KV head's calibrated mean (`key_mean`), flatten adds it back. The
+        spec allows it only where fill and flatten move whole chunks (no dense matrix, no padding)."""
+        return self.scheme.center != "none"
+
+    @property
     def dense_matrix(self) -> bool:
         """Fill and flatten multiply by the whole d x d matrix, IN_BLOCK columns at a time."""
         return self.uses_matrix and not self.hadamard_blocks
@@ -497,6 +503,21 @@ class Layout:
         return self.scheme.window
 
     @property
+    def sinks(self) -> int:
+        """Each sequence's first tokens also kept in the model dtype, in the ring's rows before the ring (0: none)."""
+        return self.scheme.sinks
+
+    @property
+    def window_slots(self) -> int:
+        """Exact tokens a sequence's row holds: its sinks, then the ring of its last `window`."""
+        return self.scheme.sinks + self.scheme.window
+
+    @property
+    def centered(self) -> bool:
+        """Keys are quantized minus their KV head's mean, which `calibrate` sets (`key_mean`)."""
+        return self.key.centered
+
+    @property
     def per_channel(self) -> tuple[SideLayout, ...]:
         """The sides whose scales are per channel: fill quantizes them a whole token group at a time."""
         return tuple(s for s in self.sides if s.per_channel)
@@ -556,12 +577,13 @@ class Layout:
         """The K kind ("lut3s" or "lut4") of a layout whose decode has a Gluon kernel too (kernels/decode_gluon.py.j2),
         "" otherwise: whole sides (not split or padded), K and V scaled by their norm alone, V lut2, and head_dim
         128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms). With a window it
-        takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel."""
+        takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel; it does not skip
+        attention sinks, so a scheme with sinks has none."""
         key, value = self.key, self.value
         whole = not self.split and not self.padded and 128 in key.head_dims
         norms = key.row_factor == value.row_factor == "norm" and not key.row_shift and not value.row_shift
         fits = key.fast_unpack in ("lut3s", "lut4") and value.fast_unpack == "lut2"
-        return key.fast_unpack if whole and norms and fits else ""
+        return key.fast_unpack if whole and norms and fits and not self.sinks else ""
 
     @property
     def decode_replays(self) -> bool:

@@ -32,6 +32,7 @@ MAX_DEPTH = 8
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_WINDOW = 4096
+MAX_SINKS = 256
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,62}\Z")
 # A scheme named like an importable module builds <name>.py, which that file's folder then imports in its place
 # (`import torch` run from generated/ would get the module built from a scheme named torch). The standard library
@@ -134,6 +135,9 @@ class TensorScheme:
     residual: Residual
     packing: str = "split"  # split: byte j, field i holds coordinate j + i*d/k | interleaved: j*k + i
     outliers: Outliers | None = None
+    # calibrated: each vector minus a per-KV-head mean that `calibrate` sets from sample keys, quantized (keys
+    # only) | none
+    center: str = "none"
 
     @property
     def code_bits(self) -> int:
@@ -182,6 +186,9 @@ class Scheme:
     # The most recent `window` tokens of each sequence are also kept unquantized, in the model dtype, in a ring of
     # window slots per sequence; attention reads them from there. 0: no window.
     window: int = 0
+    # Each sequence's first `sinks` tokens (attention sinks: positions 0..sinks-1) are kept unquantized beside the
+    # ring, in the same per-sequence rows; attention reads them from there. 0: none. Needs a window.
+    sinks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain data that `scheme_from_dict` reads back: what modules embed and the hash covers."""
@@ -216,6 +223,8 @@ class Scheme:
                 "residual": residual(t.residual),
                 "packing": t.packing,
             }
+            if t.center != "none":  # only when set, like scale's optional fields
+                out["center"] = t.center
             if t.outliers:  # only when set, like scale's optional fields
                 o = t.outliers
                 out["outliers"] = {
@@ -238,6 +247,8 @@ class Scheme:
         }
         if self.window:
             out["window"] = self.window
+        if self.sinks:
+            out["sinks"] = self.sinks
         return out
 
     @property
@@ -456,14 +467,26 @@ def _residual(source: str, path: str, data: Any) -> Residual:
 
 
 def _tensor(source: str, path: str, data: Any) -> TensorScheme:
-    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing", "outliers"))
+    f = _Fields(source, path, data, ("rotation", "scale", "codebook", "residual", "packing", "outliers", "center"))
     t = TensorScheme(
         rotation=_rotation(source, f.field("rotation"), f.data.get("rotation", "none")),
         scale=_scale(source, f.field("scale"), f.require("scale")),
         codebook=_codebook(source, f.field("codebook"), f.require("codebook")),
         residual=_residual(source, f.field("residual"), f.data.get("residual", "none")),
         packing=f.choice("packing", ("split", "interleaved"), default="split"),
+        center=f.choice("center", ("none", "calibrated"), default="none"),
     )
+    if t.center != "none":
+        # Attention is unchanged by a constant subtracted from every key (softmax cancels it); a value mean would
+        # have to be added back to every output, and a per-channel or split layout has no use for it.
+        if path != "key":
+            f.fail("center", "only keys are centered (attention cancels a key mean, not a value mean); remove it")
+        if t.per_channel:
+            f.fail("center", "per-channel scales already remove each channel's offset; remove center or use axis: token")
+        if f.has("outliers"):
+            f.fail("center", "a centered side cannot have a channel split; remove center or outliers")
+        if t.packing != "split":
+            f.fail("center", "a centered side needs split packing; use packing: split")
     _check_combination(f, t, "")
     if f.has("outliers"):
         t = replace(t, outliers=_outliers(source, f.field("outliers"), f.data["outliers"], t))
@@ -527,7 +550,7 @@ def _check_combination(f: _Fields, t: TensorScheme, prefix: str) -> None:
 
 
 def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | None = None) -> Scheme:
-    f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value", "window"))
+    f = _Fields(source, "", data, ("version", "name", "description", "head_dims", "key", "value", "window", "sinks"))
     version = f.require("version")
     if type(version) is not int or version != FORMAT_VERSION:
         f.fail("version", f"expected {FORMAT_VERSION} (the only scheme format this kvqc reads), got {_show(version)}")
@@ -558,7 +581,14 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         value=_tensor(source, "value", f.require("value")),
         source=source,
         window=f.integer("window", 1, MAX_WINDOW) if f.has("window") else 0,
+        sinks=f.integer("sinks", 1, MAX_SINKS) if f.has("sinks") else 0,
     )
+    odd = [d for d in scheme.head_dims if d & (d - 1)]
+    if scheme.key.center != "none" and odd:
+        f.fail("head_dims", f"a centered key needs power-of-two head_dims; remove {odd}")
+    if scheme.sinks and not scheme.window:
+        # The sinks live in the per-sequence rows the window's ring has, read by the ring's decode split.
+        f.fail("sinks", "attention sinks are kept in the recent-token window's per-sequence rows; add window: N at the top level")
     for side in ("key", "value"):
         t: TensorScheme = getattr(scheme, side)
         if t.outliers:
@@ -576,6 +606,8 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
             )
         if t.per_channel:
             g = t.scale.group_size
+            if scheme.sinks:
+                f.fail("sinks", f"{side}'s per-channel scales with attention sinks are not supported; remove sinks or use scale.axis: token")
             odd = [d for d in scheme.head_dims if d & (d - 1)]
             if odd:
                 f.fail("head_dims", f"{side}'s per-channel scales need power-of-two head_dims; remove {odd}")

@@ -302,6 +302,7 @@ class QuantizedLayer(_Layer):
         super().__init__(layer_idx, scheme, num_kv_heads, head_dim, device=device, dtype=dtype,
                          max_cache_len=max_cache_len)
         self.module, self.backend, self.block_size = module, backend, block_size
+        self.calibration: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V [tokens, heads, dim] for calibrate
         self.ops = _bind(module, backend)
         self.cache = None
         self._tables: torch.Tensor | None = None  # int64 [batch, blocks per row], on the CPU
@@ -348,7 +349,7 @@ class QuantizedLayer(_Layer):
             grown = self._new_cache(num_blocks)
             for field in (f.name for f in dataclasses.fields(grown) if f.name.endswith(("_codes", "_meta"))):
                 getattr(grown, field)[: self.cache.num_blocks].copy_(getattr(self.cache, field))
-            for field in ("key_channels", "value_channels"):  # a channel split's per-head order stays as chosen
+            for field in ("key_channels", "value_channels", "key_mean"):  # as calibrate chose them
                 if getattr(self.cache, field, None) is not None:
                     setattr(grown, field, getattr(self.cache, field))
             for field in ("key_window", "value_window"):
@@ -386,12 +387,15 @@ class QuantizedLayer(_Layer):
         v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
         positions = position.view(-1).to(self.device)
         rows = self._rows().repeat_interleave(tokens)
-        channels = [getattr(self.cache, f) for f in ("key_channels", "value_channels") if hasattr(self.cache, f)]
-        if any(order is None for order in channels):
-            # A channel split chooses each head's outlier channels once per layer, from the first tokens stored
-            # (the prompt's), padding excluded.
-            kept = keep.reshape(-1).to(self.device)
-            self.ops.calibrate(self.cache, k[kept], v[kept])
+        chosen = [getattr(self.cache, f) for f in ("key_channels", "value_channels", "key_mean") if hasattr(self.cache, f)]
+        if any(c is None for c in chosen):
+            # A channel split's outlier channels and a centered key's mean are set once per layer: from the
+            # calibration samples given, else from the first tokens stored (the prompt's), padding excluded.
+            if self.calibration is not None:
+                self.ops.calibrate(self.cache, *(x.to(self.device) for x in self.calibration))
+            else:
+                kept = keep.reshape(-1).to(self.device)
+                self.ops.calibrate(self.cache, k[kept], v[kept])
         self.ops.fill(self.cache, k, v, slots.view(-1).to(self.device), positions, rows)
 
     def flatten(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -653,6 +657,7 @@ def cache(
     max_cache_len: int | None = None,
     layer_schemes: dict[int, str | Path] | None = None,
     decode_time: bool = False,
+    calibration: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> KVQCCache:
     """A kvqc cache for a model with `config`: pass it as `cache=` (`past_key_values=` before transformers 5.24;
     `cache_argument(model)` says which) with attn_implementation="kvqc". Sliding-window layers are kept unquantized.
@@ -666,7 +671,10 @@ def cache(
     decode_time: a pass of several tokens attends as decoding them one at a time would, for schemes with a
     recent-token window: token i reads tokens i - WINDOW + 1 .. i as given and older ones from the cache (without
     it every token of the pass reads the cache as the whole pass left it, its ring holding the pass's last tokens);
-    what `kvqc eval --decode-time` measures perplexity with.
+    what `kvqc eval --decode-time` measures perplexity with. calibration: {layer index: (key, value) [tokens,
+    num_kv_heads, head_dim]}, the samples a scheme that calibrates (a channel split, a centered key) takes its
+    choice from in that layer, e.g. K/V of a calibration text (`calibration_samples`); a layer without them
+    calibrates on the first tokens it stores.
     """
     device = torch.device(device) if device is not None else None
     _check_backend(backend, device)
@@ -724,7 +732,17 @@ def cache(
                                      block_size=_fitting_block_size(loaded[key], block_size), **common))
         if decode_time:
             layers[-1].exact_recent = getattr(loaded[key], "WINDOW", 0)
+        layers[-1].calibration = (calibration or {}).get(index)
     return KVQCCache(layers, backend)
+
+
+def calibration_samples(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer index: (key, value) [tokens, num_kv_heads, head_dim]}: the K/V each full-attention layer of `model`
+    computes over the token ids [1, tokens] (a calibration text), for `cache(..., calibration=...)`."""
+    past = cache(NONE, model.config, backend="reference")
+    with torch.no_grad():
+        model(ids, **{cache_argument(model): past, "use_cache": True})
+    return {layer.layer_idx: layer.sequences()[0] for layer in past.layers if layer.window is None}
 
 
 # ---------------------------------------------------------------------------------------------------- attention

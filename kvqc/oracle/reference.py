@@ -328,11 +328,13 @@ class Reference:
         return torch.stack([select_channels(x[:, h].cpu(), whole, x.shape[-1]) for h in range(x.shape[1])])
 
     def calibrate(self, cache: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Choose each split side's outlier channels from key/value [tokens, num_kv_heads, head_dim] (the
-        generated module's calibrate, in float64)."""
+        """Choose each split side's outlier channels, and a centered key's mean, from key/value [tokens,
+        num_kv_heads, head_dim] (the generated module's calibrate, in float64)."""
         for base, x in (("key", key), ("value", value)):
             if getattr(self.layout, base).split:
                 setattr(cache, f"{base}_channels", self.channels(base, x).to(getattr(cache, f"{base}_codes").device))
+        if self.scheme.key.center == "calibrated":
+            cache.key_mean = key.cpu().to(torch.float64).mean(dim=0).to(torch.float32).to(cache.key_codes.device)
 
     def split(self, base: str, x: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [..., heads, d] in each head's channel order, cut into its parts: {part name: [..., heads, width]}."""
@@ -351,7 +353,11 @@ class Reference:
         return torch.empty_like(permuted).scatter_(-1, order.cpu().expand(permuted.shape), permuted)
 
     def roundtrip(self, base: str, x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
-        """One KV head's tokens x [tokens, d] quantized and read back (a split side chooses its channels on x)."""
+        """One KV head's tokens x [tokens, d] quantized and read back (a split side chooses its channels on x, a
+        centered one takes x's mean: calibrate's rules on these tokens)."""
+        if getattr(self.scheme, base).center == "calibrated":
+            mean = x.to(torch.float64).mean(dim=0)
+            return self.side(base, x.shape[-1]).roundtrip(x.to(torch.float64) - mean, meta_dtype) + mean
         if not getattr(self.layout, base).split:
             return self.side(base, x.shape[-1]).roundtrip(x, meta_dtype)
         order = self.channels(base, x[:, None])  # [1, d]
@@ -391,6 +397,8 @@ class Reference:
             if getattr(self.layout, base).per_channel or not len(slots):
                 continue  # per channel: quantized a whole token group at a time, below
             x = x.cpu()[keep]
+            if getattr(self.scheme, base).center == "calibrated":
+                x = x.to(torch.float64) - self.key_mean(cache)
             d = x.shape[-1]
             parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
             for name, xp in parts.items():
@@ -406,7 +414,7 @@ class Reference:
             slot, p, seq = int(slot_mapping[t]), int(positions[t]), int(window_index[t])
             for name, x in (("key", key), ("value", value)):
                 ring = getattr(cache, f"{name}_window")
-                ring[seq, p % w] = x[t].to(ring.dtype)
+                ring[seq, self.exact_slot(p)] = x[t].to(ring.dtype)
                 side = getattr(self.layout, name)
                 if side.per_channel and p % side.token_group == side.token_group - 1:
                     g = side.token_group
@@ -419,6 +427,18 @@ class Reference:
                         codes[b, o - g + 1 : o + 1, h] = q.codes.to(codes.device)
                         meta[b, o - g + 1 : o + 1, h] = q.meta.to(meta.device)
 
+    def key_mean(self, cache: Any) -> torch.Tensor:
+        """float64 [num_kv_heads, head_dim]: the mean key each head's keys are quantized against (calibrate's)."""
+        if cache.key_mean is None:
+            raise ValueError(f"cache.key_mean: {self.scheme.name} quantizes each key minus its head's mean; calibrate first")
+        return cache.key_mean.cpu().to(torch.float64)
+
+    def exact_slot(self, position: int) -> int:
+        """Where a position lives in its sequence's row of exact tokens: a sink at its position, any later one in
+        the ring of the last `window`, after the sinks."""
+        sinks = self.scheme.sinks
+        return position if position < sinks else sinks + position % self.scheme.window
+
     def _require(self, call: str, **arguments) -> None:
         """The module's arguments, with its rule: a window scheme needs every token's ring row."""
         for name, value in arguments.items():
@@ -430,8 +450,8 @@ class Reference:
         self, cache: Any, name: str, block_table: torch.Tensor, seq_len: int, window_row: int | None = None,
         part: bool = False,
     ) -> torch.Tensor:
-        """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its last
-        `window` tokens, read from the ring row `window_row`."""
+        """One sequence's K or V, float64 [seq_len, num_kv_heads, head_dim]: dequantized, except its first `sinks`
+        and last `window` tokens, read as given from the row `window_row`."""
         side = getattr(self.layout, name)
         if side.split and not part:
             # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
@@ -455,10 +475,13 @@ class Reference:
             x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
             x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
-        if seq_len > quantized:
-            ring = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
-            recent = torch.arange(quantized, seq_len) % self.scheme.window
-            x = torch.cat([x, ring[recent]])
+        if name == "key" and self.scheme.key.center == "calibrated":
+            x = x + self.key_mean(cache)
+        if seq_len > quantized or self.scheme.sinks:
+            row = getattr(cache, f"{name}_window")[window_row].cpu().to(torch.float64)
+            recent = [self.exact_slot(p) for p in range(quantized, seq_len)]
+            sinks = min(self.scheme.sinks, quantized)
+            x = torch.cat([row[:sinks], x[sinks:], row[recent]])
         return x
 
     def flatten(

@@ -108,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-layer schemes for every quantized SCHEME, e.g. 'first2+last2=int8_token' or "
                              "'0+1=none,-1=int8_token' (LAYERS: an index, negative from the end, A..B, firstN, lastN)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per cache block (default: 16)")
+    parser.add_argument("--calibration-text", metavar="FILE",
+                        help="a UTF-8 text whose K/V (its first --max-tokens tokens) schemes that calibrate take "
+                             "their choice from in every layer (a channel split's channels, a centered key's mean); "
+                             "default: each pass's first tokens, i.e. the measured text itself")
     parser.add_argument("--decode-time", action="store_true",
                         help="perplexity as decoding the text token by token gives it: each token reads a window "
                              "scheme's last WINDOW tokens as given (default: one pass over the cache the whole text "
@@ -616,6 +620,13 @@ def _run(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--text {name}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
     texts = texts or [("built-in", DEFAULT_TEXT)]
+    calibration_text = None
+    if args.calibration_text:
+        try:
+            calibration_text = Path(args.calibration_text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--calibration-text {args.calibration_text}: "
+                             f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
     print(f"kvqc eval: backend {backend} ({'compiled Triton kernels' if backend == 'triton' else 'Triton interpreter' if backend == 'interpreter' else 'kvqc float64 reference'}), device {device}", file=sys.stderr)
     print(f"kvqc eval: loading {path}", file=sys.stderr)
     load_started = time.perf_counter()
@@ -714,6 +725,9 @@ def _run(args: argparse.Namespace) -> int:
         "sliding_window_policy": ("unquantized in every scheme (each row keeps its last sliding_window tokens); "
                                   "bits_per_coordinate counts the full-attention layers") if sliding else None,
         "block_size": args.block_size,
+        "calibration_text": args.calibration_text,
+        "calibration_text_sha256": (hashlib.sha256(calibration_text.encode("utf-8")).hexdigest()
+                                    if calibration_text is not None else None),
         "model_load_seconds": round(load_seconds, 2),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -721,6 +735,12 @@ def _run(args: argparse.Namespace) -> int:
         r.update({"baseline_perplexity": base_ppl[0], **text_fields[0], **common})
     results: list[dict[str, Any]] = []
     model.set_attn_implementation(kq.ATTENTION)
+    calibration = None
+    if calibration_text is not None:
+        ids = tokenizer(calibration_text, return_tensors="pt").input_ids[:, : args.max_tokens].to(device)
+        calibration = kq.calibration_samples(model, ids)
+        common["calibration_text_tokens"] = int(ids.shape[1])
+        tap.take()
     try:
         for scheme in runnable:
             bar.set_description(label(scheme))
@@ -729,7 +749,7 @@ def _run(args: argparse.Namespace) -> int:
 
             def make_cache(decode_time=False):
                 return kq.cache(scheme, model.config, backend=backend, block_size=args.block_size,
-                                layer_schemes=overrides, decode_time=decode_time)
+                                layer_schemes=overrides, decode_time=decode_time, calibration=calibration)
 
             passes = []  # per text: (top1, perplexity, layer cosines); a fresh cache for each
             for ids, b_attn in zip(text_ids, base_attn):

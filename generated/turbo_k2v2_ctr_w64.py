@@ -146,6 +146,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
 # projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
+_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# Decode unpacks codes with inline PTX where the format has a helper.
+_FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
 # both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
 # registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
@@ -175,10 +179,6 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
-# Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
-_COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
-# Decode unpacks codes with inline PTX where the format has a helper.
-_FAST_UNPACK = _COMPILED_CUDA
 
 
 @triton.jit
@@ -1749,36 +1749,113 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
         return None
     compiled, tail = entry
     x, y, z = (*grid, 1, 1)[:3]
-    compiled.run(
-        x,
-        y,
-        z,
-        _RAW_STREAM(device),
-        compiled.function,
-        compiled.packed_metadata,
-        None,
-        None,
-        None,
-        *args,
-        *tail,
-    )
+    compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 *tail)
     return entry
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is registered (Triton's profilers): then every launch is Triton's own."""
+    return _KNOBS is None or bool(_KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls)
 
 
 def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args, **constexprs) -> None:
     """_launch for a call repeated with the same grid, integers, dtypes and constexprs, only tensor addresses
     changing (a decode plan's launches, once per layer): `site` names it with whatever alignment may change, and
-    its compiled kernel is looked up once per site, not per call."""
+    its compiled kernel is looked up once per site, not per call. While `launches` holds a list under _TAKEN, each
+    launch is also appended to it, for _Replay."""
     entry = launches.get(site) if launches is not None else None
-    if entry is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
+    if entry is None or _hooked():
         entry = _launch(kernel, grid, *args, **constexprs)
         if entry is not None and launches is not None:
             launches[site] = entry
-        return
-    compiled, tail = entry
-    x, y, z = (*grid, 1, 1)[:3]
-    compiled.run(x, y, z, _RAW_STREAM(torch.cuda.current_device()), compiled.function, compiled.packed_metadata, None,
-                 None, None, *args, *tail)
+    else:
+        compiled, tail = entry
+        x, y, z = (*grid, 1, 1)[:3]
+        compiled.run(x, y, z, _RAW_STREAM(torch.cuda.current_device()), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *tail)
+    taken = launches.get(_TAKEN) if launches is not None else None
+    if taken is not None:
+        taken.append((kernel, grid, args, constexprs, entry))
+
+
+_TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launches` (sites are tuples)
+
+
+class _Replay:
+    """One layer's decode launches, taken by the first call of a plan, run again for every later layer: each
+    launch's compiled kernel and arguments, all fixed but the layer's own tensors (the query, the output and the
+    cache's), which go in by position. Compiled launches take addresses as integers, which Triton's launcher passes
+    as they are (a tensor costs it a driver call to check its pointer, about half a microsecond each). A layer's
+    host time is then the cache check, the output's allocation and the launches."""
+
+    __slots__ = ("launches", "out_dtype", "kept")
+
+    def __init__(self, launches: list, out_dtype: torch.dtype, kept: tuple) -> None:
+        self.launches = launches
+        self.out_dtype = out_dtype
+        self.kept = kept  # the tensors whose addresses the launches hold, alive as long as the replay
+
+    @classmethod
+    def of(cls, taken: list, query: torch.Tensor, cache_tensors: tuple, out: torch.Tensor, kept: tuple
+           ) -> "_Replay | None":
+        """The replay of the call that launched `taken` and returned `out`, or None where some launch reads a
+        tensor that is neither the layer's (the query or a view of it, out, a cache tensor) nor one in `kept`
+        (what the plan and the module hold for every layer): a temporary a torch op made, which a replay would
+        not remake."""
+        kept_ids = {id(t) for t in kept}
+        launches, writes_out = [], False
+        for kernel, grid, args, constexprs, entry in taken:
+            slots, addresses = [], list(args)
+            for at, arg in enumerate(args):
+                if not isinstance(arg, torch.Tensor):
+                    continue
+                if id(arg) in kept_ids:
+                    addresses[at] = arg.data_ptr()
+                    continue
+                layer = _layer_slot(arg, query, out, cache_tensors)
+                if layer is None:
+                    return None
+                slots.append((at, layer))
+                writes_out |= layer == 1
+            compiled, tail = entry if entry is not None else (None, ())
+            grid = (*grid, 1, 1)[:3]
+            launches.append((grid, kernel, args, (*addresses, *tail), tuple(slots), constexprs, compiled))
+        return cls(launches, out.dtype, kept) if writes_out else None
+
+    def __call__(self, query: torch.Tensor, cache_tensors: tuple, cache_addresses: list,
+                 out: "torch.Tensor | None" = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(query, dtype=self.out_dtype)
+        hooked = _hooked()
+        if not hooked:
+            stream = _RAW_STREAM(torch.cuda.current_device())
+            layer = (query.data_ptr(), out.data_ptr(), *cache_addresses)
+        for grid, kernel, args, addresses, slots, constexprs, compiled in self.launches:
+            if compiled is None or hooked:  # Triton's own launch (the interpreter, a profiler's hooks)
+                args = list(args)
+                for at, index in slots:
+                    args[at] = (query, out, *cache_tensors)[index]
+                kernel[grid](*args, **constexprs)
+                continue
+            if slots:
+                addresses = list(addresses)
+                for at, index in slots:
+                    addresses[at] = layer[index]
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *addresses)
+        return out
+
+
+def _layer_slot(arg: torch.Tensor, query: torch.Tensor, out: torch.Tensor, cache_tensors: tuple) -> "int | None":
+    """Where `arg` comes from in a replay's (query, out, *cache_tensors): kernels read a tensor by its address
+    alone, so a contiguous view of the query (its rows flattened) is the query."""
+    for index, t in enumerate(cache_tensors):
+        if arg is t:
+            return 2 + index
+    for index, t in ((0, query), (1, out)):
+        if arg.data_ptr() == t.data_ptr() and arg.dtype == t.dtype and arg.numel() == t.numel() and arg.is_contiguous():
+            return index
+    return None
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1794,8 +1871,33 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 LAYOUTS = ("bhsd", "bshd")
 
 
+class _PagedCache:
+    """What KVCache reads off its tensors: one layer's paged cache, its first three dims [num_blocks, num_kv_heads,
+    block_size] ('bhsd') or [num_blocks, block_size, num_kv_heads] ('bshd')."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_codes.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.key_codes.shape[2 if self.layout == "bhsd" else 1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_codes.shape[1 if self.layout == "bhsd" else 2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key_meta.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_codes.device
+
+
 @dataclass
-class KVCache:
+class KVCache(_PagedCache):
     """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
     [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
@@ -1828,26 +1930,6 @@ class KVCache:
     @property
     def max_seqs(self) -> int:
         return self.key_window.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.key_codes.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.key_codes.shape[2 if self.layout == "bhsd" else 1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key_codes.shape[1 if self.layout == "bhsd" else 2]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.key_meta.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.key_codes.device
 
 
 def bytes_per_token(head_dim: int, dtype: torch.dtype = torch.float16) -> int:
@@ -2377,6 +2459,7 @@ def decode(
     window_index: "torch.Tensor | None" = None,
     scale: "float | None" = None,
     plan: "DecodePlan | None" = None,
+    out: "torch.Tensor | None" = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [batch, num_q_heads, head_dim], over the quantized cache.
 
@@ -2386,12 +2469,17 @@ def decode(
     seq_lens must be the number of tokens filled (a shorter one would read ring slots later tokens overwrote).
     plan: plan_decode's for these paging tensors, shared by a step's layers: each call then does the per-layer
     part alone (an eager engine's host time per layer).
+    out: a [batch, num_q_heads, head_dim] tensor in the query's dtype on the cache's device (an engine's attention
+    output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _require("decode", window_index=window_index)
     _check_cache(cache)
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
+    if out is not None:
+        _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
+    target = out  # the steps below name their output `out`
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -2409,7 +2497,7 @@ def decode(
         _check_plan(plan, query, cache, block_tables, seq_lens, window_index)
     batch, num_q_heads, head_dim = query.shape
     if batch == 0 or block_tables.shape[1] == 0:  # nothing cached anywhere: attention over no tokens is zeros
-        return torch.zeros_like(query)
+        return torch.zeros_like(query) if target is None else target.zero_()
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
@@ -2507,7 +2595,8 @@ def decode(
         value_matrix=tables["value_matrix"],
         dtype=query.dtype,
     )
-    return out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    return out if target is None else target.copy_(out)
 
 
 def _reduce(
@@ -2524,28 +2613,6 @@ def _reduce(
         launch_pdl=pdl,
     )
     return out
-
-
-def _decode_config(head_dim: int) -> tuple:
-    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
-    head_dim."""
-    if head_dim in _DECODE_CONFIGS:
-        return _DECODE_CONFIGS[head_dim]
-    block_n, *rest = _DECODE_DEFAULT
-    return (block_n if head_dim <= 128 else block_n // 2, *rest)
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Enough programs to fill the GPU (decode's splits, fill's looping programs); two on the interpreter, so tests
-    still cross a split and fills loop over several tiles."""
-    if device.type == "cuda":
-        return per_sm * _sm_count(device)
-    return 2
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -2615,12 +2682,74 @@ def _check_scale(scale, head_dim: int) -> float:
     return value
 
 
+def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join(str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
+        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
+
+
+def _check_paging(
+    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
+) -> None:
+    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
+    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
+    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
+        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
+
+
+def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
+    if block_tables.numel() == 0:
+        return
+    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
+    if bool(bad.any()):
+        seq, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
+            f"{cache.num_blocks} blocks"
+        )
+
+
 def _row_strides(cache: KVCache) -> dict:
     """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
     row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
     if cache.layout == "bhsd":
         return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
     return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
+def _decode_config(head_dim: int) -> tuple:
+    """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
+    head_dim."""
+    if head_dim in _DECODE_CONFIGS:
+        return _DECODE_CONFIGS[head_dim]
+    block_n, *rest = _DECODE_DEFAULT
+    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+
+
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Enough programs to fill the GPU (decode's splits, a looping fill's programs); two on the interpreter, so
+    tests still cross a split and a looping fill takes several tiles a program."""
+    if device.type == "cuda":
+        return per_sm * _sm_count(device)
+    return 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_cache(cache: KVCache) -> None:
@@ -2653,6 +2782,19 @@ def _cache_state(state: dict) -> tuple:
 def _contents(t: torch.Tensor) -> int:
     # Inference-mode tensors keep no version counter (and refuse in-place writes outside inference mode).
     return -1 if t.is_inference() else t._version
+
+
+def _check_memory(name: str, t: torch.Tensor) -> tuple:
+    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
+    item = t.element_size()
+    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
+    held = t.untyped_storage().nbytes() - t.storage_offset() * item
+    if span > held:
+        raise ValueError(
+            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
+            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
+        )
+    return t.data_ptr(), t.data_ptr() + span
 
 
 # The cache tensors the kernels write.
@@ -2719,19 +2861,6 @@ def _check_cache_fields(cache: KVCache) -> bool:
     return True
 
 
-def _check_memory(name: str, t: torch.Tensor) -> tuple:
-    """t's bytes as addresses [start, end), refused unless its storage holds them from the tensor's offset."""
-    item = t.element_size()
-    span = item * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) if t.numel() else 0
-    held = t.untyped_storage().nbytes() - t.storage_offset() * item
-    if span > held:
-        raise ValueError(
-            f"cache.{name}: spans {span} bytes but its storage holds {max(held, 0)} from the "
-            "tensor's start (resized or replaced under it); use a tensor that owns its memory"
-        )
-    return t.data_ptr(), t.data_ptr() + span
-
-
 def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) -> None:
     _check_tensor("window_index", window_index, cache.device, _INDEX_DTYPES, (batch,))
     if _checking(cache.device) and batch:
@@ -2742,46 +2871,6 @@ def _check_window_index(cache: KVCache, window_index: torch.Tensor, batch: int) 
                 f"window_index: entry {i} is {int(window_index[i])}, "
                 f"expected a ring row 0..{cache.max_seqs - 1} (max_seqs)"
             )
-
-
-def _check_tensor(name: str, t: torch.Tensor, device: torch.device, dtypes: tuple, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(isinstance(want, int) and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join(str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the cache's device), got {t.device}")
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
-    if t.dim() > 1 and (t.stride(0) < 0 or t.stride(1) < 0):
-        raise ValueError(f"{name}: negative strides are not supported, got {t.stride()}")
-
-
-def _check_paging(
-    cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_device: "torch.device | None" = None
-) -> None:
-    _check_tensor("block_tables", block_tables, cache.device, _INDEX_DTYPES, ("batch", "max_blocks_per_seq"))
-    _check_tensor("seq_lens", seq_lens, seq_lens_device or cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
-    if seq_lens.dim() == 1 and seq_lens.stride(0) != 1 and seq_lens.shape[0] > 1:
-        raise ValueError(f"seq_lens: expected a contiguous tensor, got stride {seq_lens.stride(0)}")
-
-
-def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Every block a sequence reaches must lie in the cache (entries past a sequence's end are not read)."""
-    if block_tables.numel() == 0:
-        return
-    needed = (seq_lens.to(torch.int64) + cache.block_size - 1) // cache.block_size
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= cache.num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"block_tables: entry [{seq}, {col}] = {int(block_tables[seq, col])} is outside the cache's "
-            f"{cache.num_blocks} blocks"
-        )
 
 
 def __getattr__(name: str):

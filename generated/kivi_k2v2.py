@@ -1449,7 +1449,8 @@ def _window_decode_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """The last split of decode: one sequence's GROUP query heads over its last WINDOW tokens, read unquantized
-    from the ring in the input basis (query and output too; the wrapper moves the output to position order)."""
+    from the ring in the input basis.
+    The wrapper moves its output to position order."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -2365,7 +2366,6 @@ def decode(
         BLOCK_W=max(16, min(64, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
     )
-    # The window's output is in the input basis: into position order like the quantized splits'.
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,

@@ -1890,6 +1890,7 @@ def _window_decode_kernel(
     window_index_ptr,
     key_window_ptr,
     value_window_ptr,
+    value_matrix_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -1906,7 +1907,8 @@ def _window_decode_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """The last split of decode: one sequence's GROUP query heads over its last WINDOW tokens, read unquantized
-    from the ring in the input basis (query and output too; the wrapper moves the output to position order)."""
+    from the ring in the input basis.
+    Its output goes to position order, as the quantized splits' is, for the merge to rotate back."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -1942,6 +1944,11 @@ def _window_decode_kernel(
     part = q_row * num_splits + num_splits - 1
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
+    # The signs, then H_d by butterflies: the basis _decode_reduce_kernel rotates back from.
+    acc = _walsh_hadamard(
+        acc * tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :],
+        HEAD_DIM,
+    ) * (1.0 / HEAD_DIM ** 0.5)
     tl.store(partial_out_ptr + part[:, None] * D_PAD + dim[None, :], acc, mask=q_valid[:, None])
 
 
@@ -2628,6 +2635,7 @@ class DecodePlan:
     pdl: bool
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -2705,6 +2713,7 @@ def _plan_decode(cache, block_tables, seq_lens, window_index, num_q_heads, dtype
         pdl=_dependent_launch(device),
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -2751,12 +2760,17 @@ def decode(
     """
     _require("decode", window_index=window_index)
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, window_index, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
     if out is not None:
         _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
     target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -2778,8 +2792,16 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.
     aligned = (query.data_ptr() % 16 == 0, *(t.data_ptr() % 16 == 0 for t in _cache_tensors(cache)))
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
     q_input = q if head_dim == _pow2(head_dim) else torch.nn.functional.pad(q, (0, _pow2(head_dim) - head_dim))
     rotated = scratch["rotated"]
@@ -2841,6 +2863,7 @@ def decode(
         window_index,
         cache.key_window,
         cache.value_window,
+        tables["value_matrix"],
         partial_out,
         partial_max,
         partial_sum,
@@ -2856,8 +2879,6 @@ def decode(
         BLOCK_W=max(16, min(64, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
     )
-    # The window's output is in the input basis: into position order like the quantized splits'.
-    partial_out[:, -1] = partial_out[:, -1] @ tables["value_rotation"].t()
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
@@ -2869,7 +2890,38 @@ def decode(
         dtype=query.dtype,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, window_index, *scratch.values(), *tables.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
     return out if target is None else target.copy_(out)
+
+
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, window_index, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or window_index is not plan.window_index
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    geometry = _geometry(cache)
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[-1]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    tensors = _cache_tensors(cache)
+    addresses = [t.data_ptr() for t in tensors]
+    aligned = (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in addresses))
+    replay = plan.replays.get((aligned, _check_scale(scale, cache.head_dim)))
+    return replay(query, tensors, addresses, out) if replay is not None else None
 
 
 def _reduce(

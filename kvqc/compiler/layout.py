@@ -590,9 +590,9 @@ class Layout:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
         (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
-        or moves the window's output into the rotated basis."""
+        or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
-        return in_kernels and not (self.window and self.value.uses_matrix)
+        return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
     @property
     def flatten_unpacks(self) -> bool:

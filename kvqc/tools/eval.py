@@ -458,24 +458,27 @@ def pareto_points(results: list[dict[str, Any]]) -> list[tuple[float, float, str
 
 
 def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Bits per coordinate against the worst perplexity ratio over the texts, one point per scheme; False without
-    matplotlib. Both axes are logarithmic, so near-lossless 8-bit points and broken 2-bit ones share the plot; the
-    dashed line joins the Pareto-optimal schemes (no other has fewer bits and a smaller ratio); LMDeploy's
-    quant_policy caches are orange. Labels that would overlap are pushed apart vertically."""
+    """Bits per coordinate against the worst text's perplexity increase (ratio - 1), one point per scheme; False
+    without matplotlib. Both axes are logarithmic, so a 0.1% point and a 300% one share the plot (an increase under
+    0.05%, or a decrease, sits on the floor); the dashed line joins the Pareto-optimal schemes (no other has fewer
+    bits and a smaller increase); the schemes in LMDeploy's caches are orange. Each label takes the nearest free
+    place around its dot."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator, ScalarFormatter
+        from matplotlib.transforms import Bbox
     except ImportError:
         return False
-    points = pareto_points(results)
+    floor = 5e-4
+    points = [(bits, max(ratio - 1, floor), name) for bits, ratio, name in pareto_points(results)]
     if not points:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     for x, y, name in points:
-        ax.scatter([x], [y], s=40, zorder=3, color="tab:orange" if "LMDeploy" in name else "tab:blue")
+        ax.scatter([x], [y], s=36, zorder=3, color="tab:orange" if "LMDeploy" in name else "tab:blue")
     front = sorted((p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)),
                    key=lambda p: p[0])
     if len(front) > 1:
@@ -483,35 +486,43 @@ def pareto_png(results: list[dict[str, Any]], path: Path, title: str) -> bool:
                 label="Pareto front")
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(FixedLocator([2, 2.5, 3, 4, 5, 6, 8, 12, 16]))
+    ax.xaxis.set_major_locator(FixedLocator([1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16]))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(FixedLocator([r for r in (1, 1.02, 1.05, 1.085, 1.15, 1.25, 1.5, 2, 3, 5, 10)
-                                             if r <= 1.2 * max(p[1] for p in points)]))
+    ax.yaxis.set_major_locator(FixedLocator([0.001, 0.003, 0.01, 0.03, 0.085, 0.25, 1, 3, 10]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%"))
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
         axis.set_minor_locator(NullLocator())
         axis.set_minor_formatter(NullFormatter())
-    ax.set_ylim(min(0.99, min(p[1] for p in points) * 0.99), max(p[1] for p in points) * 1.2)
-    ax.set_xlim(min(p[0] for p in points) / 1.15, max(p[0] for p in points) * 1.6)  # room for the labels
-    ax.axhline(1, color="black", linewidth=0.6)
+    ax.set_ylim(floor / 1.5, max(p[1] for p in points) * 2)
+    ax.set_xlim(min(p[0] for p in points) / 1.15, max(p[0] for p in points) * 1.9)  # room for the labels
     ax.set_xlabel("bits per coordinate, mean of K and V (fp16 metadata, as kvqc list counts them)")
-    ax.set_ylabel("perplexity ratio to the unquantized cache (worst text)")
+    ax.set_ylabel("perplexity increase over the unquantized cache, worst text")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="major", linewidth=0.3)
     fig.tight_layout()
-    labels = [ax.annotate(name, (x, y), textcoords="offset points", xytext=(7, 5), fontsize=8)
-              for x, y, name in sorted(points, key=lambda p: (-p[1], p[0]))]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    placed = []
-    for text in labels:  # top to bottom: move a label down until it clears the ones already placed
-        for _ in range(40):
-            box = text.get_window_extent(renderer).expanded(1.05, 1.15)
-            if not any(box.overlaps(other) for other in placed):
+    frame = ax.get_window_extent(renderer)
+    dots = [ax.transData.transform((x, y)) for x, y, _ in points]
+    placed = [Bbox.from_bounds(px - 4, py - 4, 8, 8) for px, py in dots]  # labels clear the dots too
+    # Each label takes the first offset, nearest first, that keeps it inside the axes and off every dot and
+    # label already placed; with none free it keeps the first.
+    offsets = [(dx, dy) for r in (6, 14, 24, 36) for dx, dy in ((r, r // 2), (r, -r - 4), (-r, r // 2), (-r, -r - 4),
+                                                                (0, r + 2), (0, -r - 10))]
+    for x, y, name in sorted(points, key=lambda p: (-p[1], p[0])):
+        for dx, dy in offsets:
+            text = ax.annotate(name, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7,
+                               ha="left" if dx >= 0 else "right")
+            box = text.get_window_extent(renderer).expanded(1.04, 1.1)
+            inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
+            if inside and not any(box.overlaps(other) for other in placed):
                 break
-            dx, dy = text.xyann
-            text.xyann = (dx, dy - 6)
-        placed.append(text.get_window_extent(renderer).expanded(1.05, 1.15))
+            text.remove()
+        else:
+            text = ax.annotate(name, (x, y), textcoords="offset points", xytext=offsets[0], fontsize=7)
+            box = text.get_window_extent(renderer)
+        placed.append(box)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

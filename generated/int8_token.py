@@ -600,6 +600,11 @@ _LAUNCHES: dict = {}
 _RAW_STREAM = None  # Triton's current-stream getter (a torch.cuda.Stream object costs 2-6 us to build)
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is registered (Triton's profilers): then every launch is Triton's own."""
+    return _KNOBS is None or bool(_KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls)
+
+
 def _specialization(arg) -> tuple:
     """What Triton compiles a run-time argument into: a tensor's dtype and whether its data is 16-byte aligned; an
     integer's type (i32, i64 or u64), whether it is divisible by 16, and whether it is 1 (Triton makes a 1 a
@@ -625,7 +630,7 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
     the key's direct launcher, (compiled kernel, its constexprs in order), or None where launches stay Triton's.
     """
     global _RAW_STREAM
-    if _KNOBS is None or _KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls:
+    if _hooked():
         kernel[grid](*args, **constexprs)
         return None
     device = torch.cuda.current_device()
@@ -656,11 +661,6 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> "tuple | None":
     compiled.run(x, y, z, _RAW_STREAM(device), compiled.function, compiled.packed_metadata, None, None, None, *args,
                  *tail)
     return entry
-
-
-def _hooked() -> bool:
-    """Whether a launch hook is registered (Triton's profilers): then every launch is Triton's own."""
-    return _KNOBS is None or bool(_KNOBS.launch_enter_hook.calls or _KNOBS.launch_exit_hook.calls)
 
 
 def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args, **constexprs) -> None:
@@ -748,6 +748,12 @@ class _Replay:
                     addresses[at] = layer[index]
             compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *addresses)
         return out
+
+
+def _alignment(query: torch.Tensor, cache_addresses: list) -> tuple:
+    """What a plan's launches may differ in from layer to layer: whether the query and each cache tensor start on a
+    16-byte boundary. It keys the launch sites and, with the scale, the replays."""
+    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses))
 
 
 def _layer_slot(arg: torch.Tensor, query: torch.Tensor, out: torch.Tensor, cache_tensors: tuple) -> "int | None":
@@ -1219,8 +1225,7 @@ def decode(
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
-    # Launch sites differ by what can change from layer to layer: the 16-byte alignment of the query and caches.
-    aligned = (query.data_ptr() % 16 == 0, *(t.data_ptr() % 16 == 0 for t in _cache_tensors(cache)))
+    aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
     # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
     replay = (aligned, scale)
     taking = keeps and replay not in plan.replays
@@ -1304,8 +1309,7 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
     tensors = _cache_tensors(cache)
     addresses = [t.data_ptr() for t in tensors]
-    aligned = (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in addresses))
-    replay = plan.replays.get((aligned, _check_scale(scale, cache.head_dim)))
+    replay = plan.replays.get((_alignment(query, addresses), _check_scale(scale, cache.head_dim)))
     return replay(query, tensors, addresses, out) if replay is not None else None
 
 

@@ -109,12 +109,12 @@ class SideLayout:
 
     @property
     def levels(self) -> int:
-        return 2 ** self.scheme.codebook.bits
+        return 2 ** self.level_bits
 
     @property
     def scalar_codebook(self) -> bool:
         """A Lloyd-Max codebook of at most 16 entries: kernels load it into scalars once and select among them."""
-        return self.lloyd_max and self.scheme.codebook.bits <= 4
+        return self.lloyd_max and self.level_bits <= 4
 
     @property
     def packing(self) -> str:
@@ -123,7 +123,7 @@ class SideLayout:
 
     @property
     def qjl(self) -> bool:
-        return self.scheme.residual.kind == "qjl"
+        return self.residual == "qjl"
 
     @property
     def qjl_seed(self) -> int:
@@ -291,9 +291,9 @@ class SideLayout:
     def tables(self) -> tuple[str, ...]:
         """Constant tensors the kernels read, built once per head_dim and device by the generated module."""
         out = ["matrix"] if self.uses_matrix else []
-        if self.scheme.codebook.kind == "lloyd_max":
+        if self.lloyd_max:
             out += ["centroids", "boundaries"]
-        if self.scheme.residual.kind == "qjl":
+        if self.qjl:
             out.append("qjl")
         return tuple(out)
 
@@ -347,14 +347,14 @@ class SideLayout:
         """Decode rotates this side's vectors in Triton, by Walsh-Hadamard butterflies in registers:
         `_rotate_query_kernel` the query into position order (K), `_decode_reduce_kernel` the merged output back
         (V). Where positions are in coordinate order and no QJL projection follows (it stays in the wrapper)."""
-        return self.coordinate_order and self.scheme.residual.kind != "qjl"
+        return self.coordinate_order and not self.qjl
 
     @property
     def wrapper_maps(self) -> bool:
         """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
         do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
         after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype."""
-        return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.scheme.residual.kind == "qjl"
+        return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.qjl
 
     @property
     def factor_after_matrix(self) -> bool:
@@ -362,7 +362,7 @@ class SideLayout:
         the codebook's own values (unit-scale centroids, integer or fp8 levels) fit fp16 as they stand, so an fp16
         or bf16 output needs no per-row rescaling before the one fp16 dot. Not with a row shift (a constant row
         does not stay constant) nor QJL (its correction is added at full scale)."""
-        return self.uses_matrix and self.row_factor is not None and not self.row_shift and self.scheme.residual.kind != "qjl"
+        return self.uses_matrix and self.row_factor is not None and not self.row_shift and not self.qjl
 
     @property
     def fast_unpack(self) -> str:
@@ -563,7 +563,7 @@ class Layout:
     @property
     def builds_interleaved_order(self) -> bool:
         """`_tables` orders a matrix or projection by interleaved positions (`_interleaved_order`)."""
-        return any(side.permuted and (side.uses_matrix or side.scheme.residual.kind == "qjl") for side in self.sides)
+        return any(side.permuted and (side.uses_matrix or side.qjl) for side in self.sides)
 
     @property
     def flatten_rotated(self) -> bool:

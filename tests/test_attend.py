@@ -76,7 +76,9 @@ def test_attend_matches_causal_reference(name):
     scale = 1 / math.sqrt(d)
     out = m.attend(query, cache, block_tables, lens, loc)
     assert out.shape == query.shape and out.dtype == query.dtype
-    want = reference_attend(m, cache, block_tables, lens, query, starts, scale)
+    want = m.reference.attend(query, cache, block_tables, lens, loc)
+    # The reference's attend is the causal definition written out here.
+    assert rel_err(want, reference_attend(m, cache, block_tables, lens, query, starts, scale)) < 1e-12
     assert rel_err(out, want) < RTOL
     # The check has teeth: attention that lets every new token see the whole sequence must fail it.
     full = torch.zeros_like(want)

@@ -60,6 +60,22 @@ def test_out_buffers_match_packed_flatten(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_reference_writes_out_buffers_as_the_module_does(name):
+    """reference.flatten takes out= and start_loc= with the module's meaning: the same rows written, the rest kept,
+    rows past the buffers' end dropped."""
+    kv, cache, paging, ring, d = filled(name)
+    start_loc = torch.tensor([3, 20, 24], dtype=torch.int64, device=DEVICE)
+    got, want = [], []
+    for flatten, buffers in ((kv.flatten, got), (kv.reference.flatten, want)):
+        buffers.extend(torch.full((50, HEADS, d), 7.0, dtype=torch.float16, device=DEVICE) for _ in range(2))
+        returned = flatten(cache, *paging, window_index=ring, out=tuple(buffers), start_loc=start_loc)
+        assert returned[0] is buffers[0] and returned[1] is buffers[1]
+    for g, w in zip(got, want):
+        assert bool((w[:3] == 7).all()) and bool((w[3:8] != 7).any()) and bool((w[24:50] != 7).any())
+        assert float((g.double() - w.double()).abs().max()) < 0.05 * float(w.double().abs().max())
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_out_default_start_is_packed_and_rows_past_the_end_are_not_written(name):
     kv, cache, paging, ring, d = filled(name)
     key, _ = kv.flatten(cache, *paging, window_index=ring)
@@ -78,6 +94,10 @@ def test_rotated_basis_is_the_rotation_of_the_input_basis():
     for x, r, side in ((key, k_rot, "key"), (value, v_rot, "value")):
         want = x.float() @ kv.rotation(side, d, DEVICE).t()
         torch.testing.assert_close(r, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
+    # The reference's rotated basis is its own rotation (signs, then the Walsh-Hadamard transform) of its values.
+    ref_rot = kv.reference.flatten(cache, *paging, window_index=ring, rotated=True)
+    for r, want in zip((k_rot, v_rot), ref_rot):
+        assert float((r.double().cpu() - want).norm() / want.norm()) < 2e-3
 
 
 def test_rotation_is_offered_only_where_flatten_can_skip_the_way_back():

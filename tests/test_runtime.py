@@ -2,9 +2,10 @@
 each file's marker line, with the imports above it and none of them repeated in the module."""
 
 import ast
+import inspect
 
 import pytest
-from conftest import ALL_SCHEMES, ROOT, SPLIT_SCHEMES, WINDOW_SCHEMES
+from conftest import ALL_SCHEMES, ROOT, SPLIT_SCHEMES, WINDOW_SCHEMES, generated
 
 from kvqc.compiler.codegen import RUNTIME, RUNTIME_MARKER, runtime_source
 
@@ -40,3 +41,15 @@ def test_every_module_carries_its_runtime_verbatim_and_each_import_once(scheme):
             assert _imports(ast.parse(head)) - {"from typing import TYPE_CHECKING"} <= _imports(module), name
     lines = [ast.unparse(n) for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert len(lines) == len(set(lines))
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_reference_takes_the_modules_arguments(name):
+    """`module.reference.<f>` takes exactly `module.<f>`'s parameters (names, kinds, defaults), so a call written for
+    the module runs the oracle as it stands, keywords and positions alike."""
+    m = generated(name)
+    functions = ["fill", "flatten", "decode", "attend"] + (["calibrate"] if hasattr(m, "calibrate") else [])
+    for f in functions:
+        module = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(m, f)).parameters.values()]
+        oracle = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(m.reference, f)).parameters.values()]
+        assert oracle == module, f

@@ -485,27 +485,52 @@ class Reference:
         return x
 
     def flatten(
-        self, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, window_index: torch.Tensor | None = None
+        self,
+        cache: Any,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        window_index: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loc: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 key, value [sum(seq_lens), num_kv_heads, head_dim], sequences packed in order; with out=(key,
+        value), sequence b written from row start_loc[b] (default: packed from row 0) in the buffers' dtype, rows
+        past their end dropped, and the buffers returned, as the module's flatten."""
+        return self._flatten(cache, block_tables, seq_lens, window_index, out, start_loc, rotated=False)
+
+    def _flatten(self, cache, block_tables, seq_lens, window_index, out, start_loc, rotated: bool):
         self._require("flatten", window_index=window_index)
         keys, values = [], []
         rows = window_index.tolist() if window_index is not None else [None] * len(seq_lens)
         for table, n, r in zip(block_tables.cpu(), seq_lens.tolist(), rows):
             keys.append(self.gather(cache, "key", table, n, r))
             values.append(self.gather(cache, "value", table, n, r))
+        if rotated:
+            keys = [self.side("key", cache.head_dim).rotate(k) for k in keys]
+            values = [self.side("value", cache.head_dim).rotate(v) for v in values]
+        if out is not None:
+            starts = start_loc.tolist() if start_loc is not None else [sum(seq_lens.tolist()[:b]) for b in range(len(keys))]
+            for buffer, parts in zip(out, (keys, values)):
+                for at, x in zip(starts, parts):
+                    fits = x[: max(buffer.shape[0] - at, 0)]
+                    buffer[at : at + len(fits)] = fits.to(buffer.device, buffer.dtype)
+            return out
         empty = torch.zeros(0, self._blocks(cache, "key")[0].shape[2], cache.head_dim, dtype=torch.float64)
         return (torch.cat(keys) if keys else empty), (torch.cat(values) if values else empty)
 
     def decode(
         self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
-        window_index: torch.Tensor | None = None, scale: float | None = None,
+        window_index: torch.Tensor | None = None, scale: float | None = None, plan: Any = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros."""
+        """float64 [batch, num_q_heads, head_dim]; an empty sequence attends to nothing and gives zeros. plan only
+        saves the module host time and changes no result; out= receives the result (in its dtype) and is returned."""
         self._require("decode", window_index=window_index)
         batch, num_q_heads, d = query.shape
         group = num_q_heads // self._blocks(cache, "key")[0].shape[2]
         scale = 1 / math.sqrt(d) if scale is None else scale
-        out = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
+        result = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
         rows = window_index.tolist() if window_index is not None else [None] * batch
         for b, (table, n, r) in enumerate(zip(block_tables.cpu(), seq_lens.tolist(), rows)):
             if n == 0:
@@ -514,12 +539,56 @@ class Reference:
             v = self.gather(cache, "value", table, n, r).repeat_interleave(group, dim=1)
             q = query[b].cpu().to(torch.float64)
             p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
-            out[b] = torch.einsum("hn,nhd->hd", p, v)
+            result[b] = torch.einsum("hn,nhd->hd", p, v)
+        return result if out is None else out.copy_(result)
+
+    def attend(
+        self, query: torch.Tensor, cache: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor, *, window_index: torch.Tensor | None = None, scale: float | None = None,
+    ) -> torch.Tensor:
+        """float64 [total_q, num_q_heads, head_dim]: sequence b's query rows query_start_loc[b]:query_start_loc[b + 1]
+        are its last q_len cached tokens, and token j of them sees cached positions 0 .. seq_lens[b] - q_len + j."""
+        self._require("attend", window_index=window_index)
+        total_q, num_q_heads, d = query.shape
+        group = num_q_heads // self._blocks(cache, "key")[0].shape[2]
+        scale = 1 / math.sqrt(d) if scale is None else scale
+        out = torch.zeros(total_q, num_q_heads, d, dtype=torch.float64)
+        starts = query_start_loc.tolist()
+        rows = window_index.tolist() if window_index is not None else [None] * len(seq_lens)
+        for b, (table, n, r) in enumerate(zip(block_tables.cpu(), seq_lens.tolist(), rows)):
+            q_len = starts[b + 1] - starts[b]
+            if not q_len:
+                continue
+            k = self.gather(cache, "key", table, n, r).repeat_interleave(group, dim=1)  # [n, Hq, d]
+            v = self.gather(cache, "value", table, n, r).repeat_interleave(group, dim=1)
+            q = query[starts[b] : starts[b + 1]].cpu().to(torch.float64)  # [q_len, Hq, d]
+            scores = torch.einsum("thd,nhd->htn", q, k) * scale
+            visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]  # [q_len, n]
+            p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            out[starts[b] : starts[b + 1]] = torch.einsum("htn,nhd->thd", p, v)
         return out
+
+
+class RotatedBasisReference(Reference):
+    """The reference of a scheme whose flatten also returns the rotated basis (Layout.flatten_rotated)."""
+
+    def flatten(
+        self,
+        cache: Any,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        window_index: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loc: torch.Tensor | None = None,
+        rotated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference.flatten; rotated=True gives each side's values rotated as its codes hold them (R x)."""
+        return self._flatten(cache, block_tables, seq_lens, window_index, out, start_loc, rotated)
 
 
 def bind(scheme: Scheme | dict) -> Reference:
     """The reference for a scheme, given as a Scheme or as the plain data a generated module embeds."""
     if isinstance(scheme, dict):
         scheme = scheme_from_dict(scheme, source="<generated module>")
-    return Reference(scheme)
+    return RotatedBasisReference(scheme) if plan(scheme).flatten_rotated else Reference(scheme)

@@ -74,6 +74,7 @@ def slot_mapping(
     max_q_seq_length: int,
     block_offsets: torch.Tensor,
     block_size: int,
+    launch=None,
 ) -> torch.Tensor:
     """kvqc's slot_mapping [num_tokens] (int64, -1 = skip) from LMDeploy's fill arguments, without a host sync.
 
@@ -96,20 +97,23 @@ def slot_mapping(
         start = q_start_loc.to(torch.int64)
         if bool(((q_len > 0) & ((start < 0) | (start + q_len > num_tokens))).any()):
             raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
-    return _slots(num_tokens, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length, block_offsets, block_size)
+    return _slots(num_tokens, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length, block_offsets, block_size,
+                  launch)
 
 
 def _slots(num_tokens: int, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length: int, block_offsets,
-           block_size: int) -> torch.Tensor:
-    """slot_mapping's kernel launch, for arguments already checked (or out of range on purpose: it masks them)."""
+           block_size: int, launch=None) -> torch.Tensor:
+    """slot_mapping's kernel launch, for arguments already checked (or out of range on purpose: it masks them);
+    `launch(kernel, grid, *args, **constexprs)` launches it (default: Triton's own path)."""
     batch, width = block_offsets.shape
+    launch = launch or (lambda kernel, grid, *args, **constexprs: kernel[grid](*args, **constexprs))
     slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=block_offsets.device)
     if batch and num_tokens:
         tokens = min(128, max(16, 1 << (max(int(max_q_seq_length), 1) - 1).bit_length()))
-        _slot_mapping_kernel[(batch,)](
-            slots, q_start_loc, q_seq_length, kv_seq_length, block_offsets, num_tokens, width,
-            block_offsets.stride(0), BLOCK_SIZE=block_size, TOKENS=tokens, ENTRIES=64,
-        )
+        # A generated module's _launch calls the compiled kernel directly after its first launch: Triton's own
+        # launch path costs more host time than the kernel takes, once per layer of an eager step.
+        launch(_slot_mapping_kernel, (batch,), slots, q_start_loc, q_seq_length, kv_seq_length, block_offsets,
+               num_tokens, width, block_offsets.stride(0), BLOCK_SIZE=block_size, TOKENS=tokens, ENTRIES=64)
     return slots
 
 
@@ -249,7 +253,7 @@ class Kernels:
             raise NotImplementedError("v_states: kvqc caches hold K and V; shared-KV (MLA) layers are not supported")
         cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, k_states.shape[-1], kv_layout)
         slots = slot_mapping(k_states.shape[0], q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length,
-                             block_offsets, cache.block_size)
+                             block_offsets, cache.block_size, launch=self.module._launch)
         self.module.fill(cache, k_states, v_states, slots)
 
     def flatten_kv_cache(self, k_caches, v_caches, seqlens, block_offsets, start_loc=None, out_size=None,

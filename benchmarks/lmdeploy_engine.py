@@ -13,7 +13,8 @@ submit-to-last-token), kv_tokens (LMDeploy's usable num_gpu_blocks x block_size 
 pool), kv_bytes_per_token (the pool's bytes over its slots), peak_gib (torch.cuda.max_memory_allocated in the
 engine process, where LMDeploy's tp=1 executor runs the model; the pool, cache_max_entry_count of free memory,
 dominates it, so peak_non_kv_gib subtracts it), used_gib (cudaMemGetInfo at the end: CUDA context and graph pools
-included), and for a failed run its exception as one line (the matrix goes on).
+included), clocks (nvidia-smi's SM clock, power and throttle reasons over the steady decode window, sampled
+every 50 ms), and for a failed run its exception as one line (the matrix goes on).
 
 --agreement: greedy tokens and prompt logits of every cache against LMDeploy fp16, and of turbo_k4v2 against
 quant_policy 42 (same bytes). LMDeploy's PyTorch engine returns logits only for the prompt (output_logits='all'
@@ -48,6 +49,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,6 +182,59 @@ async def generate(engine, prompts: list[list[int]], gen_config, counts: list[in
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
     return start, [r[0] for r in results], [r[1] for r in results]
+
+
+class ClockSampler:
+    """nvidia-smi's SM clock, power draw and active throttle reasons every 50 ms while the timed batch runs, each
+    sample stamped on arrival with time.perf_counter (the clock of the token stamps), so that the steady decode
+    window's clocks can be told apart from prefill's: a kernel bound by instruction throughput slows with the SM
+    clock, one bound by memory bandwidth hardly does."""
+
+    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __enter__(self) -> "ClockSampler":
+        import threading
+
+        self.samples: list[tuple[float, list[str]]] = []
+        index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--id={index}", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                 "-lms", "50"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return self
+
+        def read():
+            for line in self.proc.stdout:
+                self.samples.append((time.perf_counter(), [f.strip() for f in line.split(",")]))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.reader.join(timeout=5)
+
+    def summary(self, begin: float, end: float) -> dict | None:
+        """Median and minimum SM MHz, median W and the largest temperature over [begin, end], and the throttle
+        reasons (bit masks, nvidia-smi's clocks_throttle_reasons) seen there."""
+        rows = []
+        for t, fields in self.samples:
+            try:
+                if begin <= t <= end:
+                    rows.append((float(fields[0]), float(fields[1]), float(fields[2]), fields[3]))
+            except (ValueError, IndexError):
+                continue
+        if not rows:
+            return None
+        sm, watts, temp, reasons = zip(*rows)
+        return {"samples": len(rows), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
+                "power_w_median": statistics.median(watts), "temp_c_max": max(temp),
+                "throttle_reasons": sorted(set(reasons))}
 
 
 def timings(start: float, stamps: list[list[tuple[float, int]]]) -> dict:
@@ -342,8 +397,10 @@ def run_one(spec: dict) -> dict:
 
     run(make_prompts(batch, length, spec["vocab"], SEED + 1), WARMUP_TOKENS)
     prompts = make_prompts(batch, length, spec["vocab"], SEED)
-    start, stamps, tokens = run(prompts, new)
+    with ClockSampler() as clocks:
+        start, stamps, tokens = run(prompts, new)
     result.update(timings(start, stamps))
+    result["clocks"] = clocks.summary(max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps))
     if spec.get("profile"):
         gen = GenerationConfig(max_new_tokens=new, ignore_eos=True, do_sample=False)
         try:  # a failed profile leaves the run's timings standing
@@ -439,23 +496,27 @@ def agreement(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def clock_cell(c: dict | None) -> str:
+    return "-" if not c else f"{fmt(c['sm_mhz_median'])} ({fmt(c['sm_mhz_min'])}), {fmt(c['power_w_median'])}"
+
+
 def fmt(x, digits=0) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
 def print_tables(runs: list[dict], rows: list[dict]) -> None:
     print("\n| cache | mode | batch | prompt | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens "
-          "| KV B/token | peak GiB (non-KV) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| KV B/token | peak GiB (non-KV) | decode SM MHz (min), W |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         head = f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} |"
         if r.get("failed"):
-            print(f"{head} failed: `{r['error'][:160]}` | | | | | |")
+            print(f"{head} failed: `{r['error'][:160]}` | | | | | | |")
             continue
         fits = "" if r["kv_fits_batch"] else " (batch does not fit)"
         print(f"{head} {fmt(r['prefill_s'], 2)} | {fmt(r['decode_tok_s'])} ({r['decode_steps']}) | "
               f"{fmt(r['e2e_tok_s'])} | {fmt(r['kv_tokens'])}{fits} | {fmt(r.get('kv_bytes_per_token'))} | "
-              f"{fmt(r['peak_gib'], 1)} ({fmt(r['peak_non_kv_gib'], 1)}) |")
+              f"{fmt(r['peak_gib'], 1)} ({fmt(r['peak_non_kv_gib'], 1)}) | {clock_cell(r.get('clocks'))} |")
     profiled = [r for r in runs if r.get("profile", {}).get("steps")]
     if profiled:
         cats = [*KERNEL_CATEGORIES, "other"]

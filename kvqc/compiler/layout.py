@@ -551,6 +551,18 @@ class Ring:
         return ("    window_index [batch] (required): each sequence's ring row; its last WINDOW tokens come from "
                 "there, as given.")
 
+    @property
+    def decode_doc(self) -> str:
+        """decode's docstring lines for window_index."""
+        if self.sinks:
+            return (
+                "    window_index [batch] (required): each sequence's ring row, whose first SINKS and last WINDOW "
+                "tokens are attended\n"
+                "    unquantized;"
+            )
+        return ("    window_index [batch] (required): each sequence's ring row, whose last WINDOW tokens are attended "
+                "unquantized;")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -698,6 +710,11 @@ class Layout:
         or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
+
+    @property
+    def decode_unpacks(self) -> bool:
+        """Some side's decode takes PTX unpacking on compiled CUDA with fp16 queries (FAST_UNPACK)."""
+        return any(side.fast_unpack for side in self.sides)
 
     @property
     def flatten_unpacks(self) -> bool:

@@ -446,6 +446,123 @@ class SideLayout:
         std = self.centroids_std(head_dim)
         return None if std is None else tuple(c / math.sqrt(self.part_dim(head_dim)) for c in std)
 
+    # What the API templates (templates/api/) substitute for this part: decided here, placed there.
+    @property
+    def tensor_doc(self) -> str:
+        """KVCache's docstring lines for this part's codes and metadata tensors."""
+        width = ("its channels" if self.part else "the other channels") if self.split else "head_dim"
+        planes = ", ".join(str(plane.width) for plane in self.planes)
+        n, fields, group = len(self.metadata), ", ".join(self.metadata), self.group_size
+        meta = f"{n}: {fields}"
+        if group:
+            meta = f"{n} * {'channels' if self.split else 'head_dim'} / {group}: {fields} per group of {group} channels"
+        return (
+            f"    {self.name}_codes: uint8, last dim {width} * {self.code_bits} / 8 (bit planes {planes}, "
+            f"{self.packing} packing)\n"
+            f"    {self.name}_meta:  model dtype, last dim {meta}"
+        )
+
+    @property
+    def outlier_doc(self) -> str:
+        """How an outlier part's channels are chosen, for calibrate's docstring."""
+        if self.outlier_select == "fixed":
+            return f"fixed by the scheme (channels {list(self.outlier_channels)}); calibrate leaves them."
+        score = "variance" if self.outlier_select == "variance" else "mean square"
+        return (f"the {self.base.upper()}_OUTLIERS * head_dim channels of largest {score} over the tokens "
+                "(ties: the lower channel).")
+
+    @property
+    def constexprs(self) -> tuple[tuple[str, str], ...]:
+        """A split part's constexprs and their values in `_part_constexprs` (from `dims`, _part_dims(head_dim)):
+        its width, its first channel in the permuted head and, padded, its power-of-two width; () for a side that
+        is not split."""
+        if not self.split:
+            return ()
+        name = self.name.upper()
+        offset = "0" if self.part else f'dims["{self.base}_outlier"]'
+        out = [(f"{name}_DIM", f'dims["{self.name}"]'), (f"{name}_OFFSET", offset)]
+        if self.padded:
+            out.append((f"{name}_PAD", f'_pow2(dims["{self.name}"])'))
+        return tuple(out)
+
+@dataclass(frozen=True)
+class Ring:
+    """A window scheme's ring row as the API names and documents it: a sequence's first `sinks` tokens, then a
+    ring of its last `window`. The templates place these expressions and sentences; the sinks choose them."""
+
+    window: int
+    sinks: int
+    groups: tuple[tuple[str, int], ...] = ()  # (side, tokens) of each per-channel side, quantized from the ring
+
+    @property
+    def slots(self) -> str:
+        """A row's slots as an expression of the module's constants."""
+        return "SINKS + WINDOW" if self.sinks else "WINDOW"
+
+    @property
+    def slots_factor(self) -> str:
+        """`slots` as a factor of a product."""
+        return f"({self.slots})" if self.sinks else self.slots
+
+    @property
+    def cache_doc(self) -> str:
+        """KVCache's docstring lines for key_window and value_window."""
+        if self.sinks:
+            return (
+                "    key_window, value_window: model dtype [max_seqs, SINKS + WINDOW, num_kv_heads, head_dim]: "
+                "each sequence's first\n"
+                f"        SINKS = {self.sinks} tokens (slot position) and last WINDOW = {self.window} "
+                "(slot SINKS + position % WINDOW) as\n"
+                "        given, in the row its window_index names"
+            )
+        return (
+            "    key_window, value_window: model dtype [max_seqs, WINDOW, num_kv_heads, head_dim]: each sequence's "
+            "last\n"
+            f"        WINDOW = {self.window} tokens as given (slot position % WINDOW), in the row its window_index "
+            "names"
+        )
+
+    @property
+    def bytes_doc(self) -> str:
+        """What window_bytes counts, inside its docstring's parentheses."""
+        if self.sinks:
+            return "its first SINKS and last WINDOW tokens' K and V, model dtype"
+        return "its last WINDOW tokens of K and V in the model dtype"
+
+    @property
+    def fill_doc(self) -> str:
+        """The end of fill's docstring sentence on what the ring holds, and when each per-channel side's tokens
+        are quantized."""
+        out = ", the row's first SINKS\n    slots the sequence's positions 0..SINKS-1." if self.sinks else "."
+        for side, tokens in self.groups:
+            out += (f"\n    {side.capitalize()} is quantized {tokens} tokens at a time, when the token at a position"
+                    f"\n    p with p % {tokens} == {tokens - 1} arrives.")
+        return out
+
+    @property
+    def flatten_doc(self) -> str:
+        """flatten's docstring lines for window_index."""
+        if self.sinks:
+            return (
+                "    window_index [batch] (required): each sequence's ring row; its first SINKS and last WINDOW "
+                "tokens come from\n"
+                "    there, as given."
+            )
+        return ("    window_index [batch] (required): each sequence's ring row; its last WINDOW tokens come from "
+                "there, as given.")
+
+    @property
+    def decode_doc(self) -> str:
+        """decode's docstring lines for window_index."""
+        if self.sinks:
+            return (
+                "    window_index [batch] (required): each sequence's ring row, whose first SINKS and last WINDOW "
+                "tokens are attended\n"
+                "    unquantized;"
+            )
+        return ("    window_index [batch] (required): each sequence's ring row, whose last WINDOW tokens are attended "
+                "unquantized;")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -595,6 +712,11 @@ class Layout:
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
     @property
+    def decode_unpacks(self) -> bool:
+        """Some side's decode takes PTX unpacking on compiled CUDA with fp16 queries (FAST_UNPACK)."""
+        return any(side.fast_unpack for side in self.sides)
+
+    @property
     def flatten_unpacks(self) -> bool:
         """Some side's flatten takes decode's PTX lookups for an fp16 or bf16 output (FAST_UNPACK)."""
         return any(side.flatten_fast for side in self.sides)
@@ -611,6 +733,116 @@ class Layout:
     def compression_ratio(self, head_dim: int) -> float:
         return 2 * head_dim * 2 / self.bytes_per_token(head_dim)
 
+    # What the API templates (templates/api/) substitute: decided here, placed there.
+    @property
+    def ring(self) -> Ring | None:
+        """The ring rows of a window scheme, as the API names and documents them; None without a window."""
+        groups = tuple((side.name, side.token_group) for side in self.per_channel)
+        return Ring(self.window, self.sinks, groups) if self.window else None
+
+    @property
+    def split_bases(self) -> tuple[str, ...]:
+        """The sides ("key", "value") whose channels are split into outliers and the rest."""
+        return tuple(base for base in ("key", "value") if len(self.parts(base)) > 1)
+
+    @property
+    def outlier_parts(self) -> tuple[SideLayout, ...]:
+        """The outlier part of each split side."""
+        return tuple(side for side in self.sides if side.part)
+
+    @property
+    def calibrated_outliers(self) -> tuple[SideLayout, ...]:
+        """The outlier parts whose channels calibrate() chooses per KV head (`_channel_order`)."""
+        return tuple(side for side in self.outlier_parts if side.outlier_select != "fixed")
+
+    @property
+    def fixed_outliers(self) -> tuple[SideLayout, ...]:
+        """The outlier parts whose channels the scheme fixes (`_fixed_order`, set by allocate_cache)."""
+        return tuple(side for side in self.outlier_parts if side.outlier_select == "fixed")
+
+    @property
+    def part_constexprs(self) -> tuple[tuple[str, str], ...]:
+        """Every split part's constexprs and their values, in kernel parameter order (macros/args.j2 part_params)."""
+        return tuple(pair for side in self.sides for pair in side.constexprs)
+
+    @property
+    def cache_fields(self) -> tuple[tuple[str, str], ...]:
+        """KVCache's fields and their annotations (with a default where one has one), in declaration order."""
+        tensor, optional = "torch.Tensor", '"torch.Tensor | None" = None'
+        out = [("key_codes", tensor), ("key_meta", tensor), ("value_codes", tensor), ("value_meta", tensor),
+               ("head_dim", "int"), ("layout", "str")]
+        out += [(f"{side.name}_{what}", tensor) for side in self.outlier_parts for what in ("codes", "meta")]
+        out += [(f"{side.base}_channels", optional) for side in self.outlier_parts]
+        out += [("key_window", tensor), ("value_window", tensor)] if self.window else []
+        out += [("key_mean", optional)] if self.centered else []
+        return tuple(out)
+
+    @property
+    def tensors_doc(self) -> str:
+        """KVCache's docstring lines for its tensors: each part's codes and metadata, the ring rows, the key mean,
+        the channel orders."""
+        out = [side.tensor_doc for side in self.sides] + ([self.ring.cache_doc] if self.ring else [])
+        if self.centered:
+            out.append(
+                "    key_mean: float32 [num_kv_heads, head_dim], each KV head's mean key, which its keys are "
+                "quantized against; None\n"
+                "        until `calibrate` sets it"
+            )
+        for side in self.outlier_parts:
+            chosen = "fixed by the scheme" if side.outlier_select == "fixed" else "None until `calibrate` chooses them"
+            out.append(
+                f"    {side.base}_channels: int64 [num_kv_heads, head_dim], each KV head's channel order: its "
+                f"{side.base} outlier channels\n"
+                f"        (the first {side.base.upper()}_OUTLIERS * head_dim), then the rest; {chosen}"
+            )
+        return "\n".join(out)
+
+    @property
+    def outliers_doc(self) -> str:
+        """calibrate's docstring lines for a channel split: how each split side's outlier channels are chosen."""
+        return "\n".join(f"    {side.base.capitalize()}: {side.outlier_doc}" for side in self.outlier_parts)
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """The cache tensors the kernels write (`_WRITTEN`): each part's codes and metadata, and the ring rows."""
+        names = [f"{side.name}_{what}" for side in self.sides for what in ("codes", "meta")]
+        return tuple(names + (["key_window", "value_window"] if self.window else []))
+
+    @property
+    def channel_fields(self) -> tuple[str, ...]:
+        """The cache's channel orders, one per split side (`_CHANNELS`)."""
+        return tuple(f"{side.base}_channels" for side in self.outlier_parts)
+
+    @property
+    def token_fill(self) -> bool:
+        """fill launches `_fill_kernel`: some side is quantized token by token (a per-channel side is quantized by
+        its own group kernel once a group of tokens is complete)."""
+        return len(self.per_channel) < 2
+
+    @property
+    def width_constexprs(self) -> tuple[str, ...]:
+        """fill's and flatten's launch arguments for the widths besides HEAD_DIM: the power-of-two width of a
+        padded head, or each split part's widths and offsets."""
+        out = ["HEAD_PAD=_pow2(cache.head_dim)"] if self.padded else []
+        return tuple(out + (["**_part_constexprs(cache.head_dim)"] if self.split else []))
+
+    def in_block(self, most: str) -> str:
+        """IN_BLOCK of a dense matrix's fill or flatten launch, at most the constant `most`: a power of two no wider
+        than the head, or than any part of a split one (`_in_block`)."""
+        return f"_in_block(cache.head_dim, {most})" if self.split else f"min({most}, _pow2(cache.head_dim))"
+
+    @property
+    def flatten_reads(self) -> tuple[str, ...]:
+        """flatten's launch arguments after the parts' tensors: what it reads besides the codes (the ring rows, the
+        key mean)."""
+        ring = ["window_index", "cache.key_window", "cache.value_window", "cache.max_seqs"] if self.window else []
+        return tuple(ring + (["_key_mean(cache)"] if self.centered else []))
+
+    @property
+    def flatten_flags(self) -> tuple[str, ...]:
+        """flatten's last launch constexprs: PTX lookups for an fp16 or bf16 output, and the rotated basis asked for."""
+        flags = ["FAST_UNPACK=_FAST_UNPACK"] if self.flatten_unpacks else []
+        return tuple(flags + (["ROTATED=rotated"] if self.flatten_rotated else []))
 
 def _side(name: str, t: TensorScheme, head_dims: tuple[int, ...], part: str = "") -> SideLayout:
     if not t.outliers:

@@ -517,6 +517,23 @@ class SideLayout:
         return tuple(range(self.levels)) if self.scalar_codebook else ()
 
     @property
+    def grid_levels(self) -> tuple[int, int]:
+        """The lowest and highest level of a uniform grid: 0 .. levels - 1 above `zero` (minmax), -top .. top around
+        zero (absmax)."""
+        return (0, self.levels - 1) if self.scale_kind == "minmax" else (-self.level_top, self.level_top)
+
+    @property
+    def grid_offset(self) -> int:
+        """What a uniform grid's code adds to its level (codes are unsigned): top for a symmetric grid, else 0."""
+        return 0 if self.scale_kind == "minmax" else self.level_top
+
+    @property
+    def group_variants(self) -> tuple[int, ...]:
+        """The spans fill's and flatten's scale groups take over the scheme's head_dims, one constexpr branch each:
+        1 (groups inside chunks) where some head_dim has it, then the spans above 1 (`spans`)."""
+        return ((1,) if self.groups_inside else ()) + self.spans
+
+    @property
     def fast_cell(self) -> str | None:
         """Fill's compiled cell search (kernels/cell.py.j2) where the symmetric search scans, by what the helper
         returns beside the code: "code" (nothing), "sign" (the residual, its sign already in the code), "signed"

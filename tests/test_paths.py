@@ -27,3 +27,19 @@ def test_decode_takes_the_unpacking_its_plan_promises(name):
     if any(kind != "portable" for kind in m.DECODE_UNPACK.values()):
         assert "if FAST_UNPACK:" in source
         assert m._FAST_UNPACK == (DEVICE.type == "cuda")
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_fill_takes_the_cell_search_its_plan_promises(name):
+    """The plan's compiled cell search for each side (SideLayout.cell_helper, kernels/cell.py.j2) is the helper the
+    fill kernel calls for it, behind FAST_CELL; a side the plan gives none calls no helper, and a layout without one
+    has no FAST_CELL branch."""
+    m = generated(name)
+    layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml"))
+    source = inspect.getsource(m._fill_kernel.fn)
+    for side in layout.sides:
+        calls = set(re.findall(rf"= (_symmetric_cell_\w+)\(\s*unit,\s*{side.name}_b\d", source))
+        assert calls == ({side.cell_helper} if side.cell_helper else set()), (side.name, calls)
+        if side.cell_helper:
+            assert callable(getattr(m, side.cell_helper))
+    assert ("if FAST_CELL:" in source) == layout.any_fast_cell

@@ -446,6 +446,115 @@ class SideLayout:
         std = self.centroids_std(head_dim)
         return None if std is None else tuple(c / math.sqrt(self.part_dim(head_dim)) for c in std)
 
+    # What the codec templates (templates/codecs/) need decided: they read these and never work them out themselves.
+    @property
+    def codec(self) -> str:
+        """The codec template that quantizes and dequantizes this side's codebook, templates/codecs/<codec>.j2: the
+        codebook's kind, with uniform grids under "affine" (whose scales fp8 shares)."""
+        kind = self.scheme.codebook.kind
+        return "affine" if kind == "uniform" else kind
+
+    @property
+    def symmetric(self) -> bool:
+        """Fill finds a scalar Lloyd-Max codebook's cell from |value| among the positive boundaries, the sign picking
+        the half: its centroids are their own negatives (symmetric_codebook)."""
+        return self.scalar_codebook and self.symmetric_codebook
+
+    @property
+    def half(self) -> int:
+        """Levels on each side of the codebook's middle: a symmetric search's first boundary and centroid."""
+        return 2 ** (self.level_bits - 1)
+
+    @property
+    def with_centroid(self) -> bool:
+        """Fill carries each code's centroid: a residual is taken from it, and the unbiased scale's <u, u_hat>."""
+        return self.residual != "none" or self.unbiased
+
+    @property
+    def signed(self) -> bool:
+        """The carried centroid has the value's sign. The unbiased scale alone reads unit * centroid, which is
+        |unit| * |centroid| in a symmetric codebook, so there the magnitude is enough."""
+        return self.residual != "none" or not self.unbiased
+
+    @property
+    def centroid_magnitude(self) -> bool:
+        """Fill's carried centroid is the magnitude alone (a symmetric search that needs no sign)."""
+        return self.symmetric and not self.signed
+
+    @property
+    def cell_search(self) -> str:
+        """How fill finds a value's Lloyd-Max cell, "" for other codebooks: in a symmetric codebook "sign" (1 bit:
+        the value's sign), "scan" (|value| against each positive boundary) or "bisect" (a binary search, where a
+        centroid is carried over 8 levels: H100, fill of turbo_eden_k4v2, 35.6% -> 41.9% of copy bandwidth; without
+        a centroid, turbo_k4mse_v2 52.5% -> 50.3%, or over 4 levels, turbo_k4v2 10% more instructions, the scan is
+        faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a binary search over the
+        table, over 16 levels)."""
+        if not self.lloyd_max:
+            return ""
+        if self.symmetric:
+            if self.half == 1:
+                return "sign"
+            return "scan" if self.half <= 4 or not self.with_centroid else "bisect"
+        return "compare" if self.scalar_codebook else "gather"
+
+    @property
+    def fill_boundaries(self) -> tuple[int, ...]:
+        """The boundaries fill loads into scalars `<side>_b<i>`: the positive ones for a symmetric search."""
+        if not self.scalar_codebook:
+            return ()
+        return tuple(range(self.half if self.symmetric else 0, self.levels - 1))
+
+    @property
+    def fill_centroids(self) -> tuple[int, ...]:
+        """The centroids fill loads into scalars `<side>_c<i>`, where it carries them."""
+        if not (self.scalar_codebook and self.with_centroid):
+            return ()
+        return tuple(range(self.half if self.symmetric else 0, self.levels))
+
+    @property
+    def centroid_scalars(self) -> tuple[int, ...]:
+        """The centroids flatten and decode load into scalars `<side>_c<i>` for their select trees."""
+        return tuple(range(self.levels)) if self.scalar_codebook else ()
+
+    @property
+    def grid_levels(self) -> tuple[int, int]:
+        """The lowest and highest level of a uniform grid: 0 .. levels - 1 above `zero` (minmax), -top .. top around
+        zero (absmax)."""
+        return (0, self.levels - 1) if self.scale_kind == "minmax" else (-self.level_top, self.level_top)
+
+    @property
+    def grid_offset(self) -> int:
+        """What a uniform grid's code adds to its level (codes are unsigned): top for a symmetric grid, else 0."""
+        return 0 if self.scale_kind == "minmax" else self.level_top
+
+    @property
+    def group_variants(self) -> tuple[int, ...]:
+        """The spans fill's and flatten's scale groups take over the scheme's head_dims, one constexpr branch each:
+        1 (groups inside chunks) where some head_dim has it, then the spans above 1 (`spans`)."""
+        return ((1,) if self.groups_inside else ()) + self.spans
+
+    @property
+    def fast_cell(self) -> str | None:
+        """Fill's compiled cell search (kernels/cell.py.j2) where the symmetric search scans, by what the helper
+        returns beside the code: "code" (nothing), "sign" (the residual, its sign already in the code), "signed"
+        (the centroid, with the value's sign) or "magnitude" (the centroid's magnitude). None: Triton only."""
+        if self.cell_search != "scan":
+            return None
+        if not self.with_centroid:
+            return "code"
+        if self.residual == "sign" and not self.unbiased:
+            return "sign"
+        return "signed" if self.signed else "magnitude"
+
+    @property
+    def cell_helper(self) -> str | None:
+        """The name of fill's compiled cell search (fast_cell), None without one."""
+        kind = self.fast_cell
+        if kind is None:
+            return None
+        suffix = {"code": "", "sign": f"_sign{self.level_bits}"}.get(kind, f"_{kind}")
+        return f"_symmetric_cell_{self.half}{suffix}"
+
     # What the API templates (templates/api/) substitute for this part: decided here, placed there.
     @property
     def tensor_doc(self) -> str:
@@ -643,6 +752,20 @@ class Layout:
     def sides(self) -> tuple[SideLayout, ...]:
         """Every part of K, then of V: one set of cache tensors each."""
         return self.key_parts + self.value_parts
+
+    @property
+    def any_fast_cell(self) -> bool:
+        """Some side's fill takes a compiled cell search: the fill kernel's FAST_CELL."""
+        return any(side.fast_cell for side in self.sides)
+
+    @property
+    def cell_helpers(self) -> tuple[SideLayout, ...]:
+        """One side for each distinct compiled cell search, in side order: kernels/cell.py.j2 defines each once."""
+        out: dict[str, SideLayout] = {}
+        for side in self.sides:
+            if side.cell_helper and side.cell_helper not in out:
+                out[side.cell_helper] = side
+        return tuple(out.values())
 
     @property
     def fill_loops(self) -> bool:

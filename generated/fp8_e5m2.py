@@ -71,9 +71,8 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # Decode unpacks codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
-# Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
-# both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
-# registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
+# Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
+# an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 32
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
@@ -86,8 +85,8 @@ _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread
 _DECODE_CONFIGS = {}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
-# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
-# Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
+# scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
 
 

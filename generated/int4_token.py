@@ -71,9 +71,8 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # Decode unpacks codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
-# Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
-# both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
-# registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
+# Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
+# an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 32
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
@@ -81,15 +80,13 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3,
-# head-major ('bhsd') cache (batch 1/8/32, context 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel
-# time): d=128 tiles 32/1/2-4, 64/1/2-4, 64/2/3 x splits 4/128, 6/128, 8/128, 8/256, 16/128, 16/256: 8 per SM 0.308 of
-# the default's time against 0.324 for 16 per SM (8 x 32k 0.1274 -> 0.1221 ms); d=64 was not swept on this cache.
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3
+# (templates/decode_tuning.json records the sweep).
 _DECODE_CONFIGS = {64: (32, 1, 2, 16, 256), 128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
-# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
-# Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
+# scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = True
 
 

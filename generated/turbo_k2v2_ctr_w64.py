@@ -150,19 +150,14 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # Decode unpacks codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
-# Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
-# both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
-# registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
+# Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
+# an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 64
-# Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages. H100, batch 8 x 32k, share
-# of copy bandwidth from one tile a program to 4 / 8 programs per SM: turbo_k4v2 41.6% -> 51.7 / 50.5%,
-# turbo_k4mse_v2 45.7% -> 44.5 / 51.6%, metal_q4_0_q3_0 37.4% -> 43.9 / 48.8%, sign1_window 31.1% -> 45.1 / 43.7%,
-# turbo_eden_k4v2 25.1% -> 35.7 / 35.7%. turbo_k4v2 with 1 stage 33.9%, 3 stages 43.1%; 32- and 128-token tiles 29%
-# and 35%. Under a register cap (codegen.decode_tuning), as many as an SM holds, so a large fill is
-# one wave (turbo_k4v2 at 168 registers, 8 x 8192 tokens: 58.5-58.9% at 8 per SM, 2.6 waves; 63.1-63.8% at 3);
-# `fill_programs` in templates/decode_tuning.json where another count measured faster.
+# Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages, so that the next tile's rows
+# arrive while this one is rotated and quantized. Under a register cap (codegen.decode_tuning), as many as an SM
+# holds, so that a large fill is one wave; `fill_programs` in templates/decode_tuning.json overrides the count.
 _FILL_PROGRAMS_PER_SM = 8
-# Registers per thread of the looping fill: a cap that lets one more program reside per SM, where it measured faster
+# Registers per thread of the looping fill: a cap that lets one more program reside per SM
 # (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
 _FILL_MAX_REGISTERS = None
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
@@ -176,8 +171,8 @@ _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread
 _DECODE_CONFIGS = {}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
-# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
-# Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
+# scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
 
 

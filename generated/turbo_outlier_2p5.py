@@ -197,27 +197,26 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # Decode unpacks codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
-# Tokens per fill and flatten program (4 warps). H100, head_dim 128: where a side takes a matrix 64 is best for
-# both (turbo_k4v2: 32, 16 and 128 were 1.5-4x slower); fill without one is elementwise, and 32 tokens spread its
-# registers over twice the threads (fp8_e4m3: 45% -> 70% of copy bandwidth).
+# Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
+# an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 64
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
-# ... and apply it this many input (fill) or output (flatten) columns at a time. H100, turbo_k4v2, head_dim 128,
-# batch 8 x 32k: flatten took 1.378 ms at 64 and 1.268 at 128 columns, fill 0.373 at 64 and 0.407 at 128.
+# ... and apply it this many input (fill) or output (flatten) columns at a time: the faster width for each on an
+# H100 (fill keeps every output chunk's accumulator live beside its input block).
 _FILL_IN_BLOCK = 64
 _FLATTEN_IN_BLOCK = 128
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3
-# (batch 8/32, context 32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time).
+# (templates/decode_tuning.json records the sweep).
 _DECODE_CONFIGS = {128: (32, 1, 2, 32, 256)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
-# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
-# Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
+# Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
+# scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
 
 

@@ -390,8 +390,8 @@ class SideLayout:
     @property
     def word_unpack(self) -> str:
         """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
-        a word of a token and one of the next make eight such pairs with four prmt (measured on an H100: int4_token
-        8 x 32k 0.1526 -> 0.1495 ms at head_dim 128, 0.1207 -> 0.0818 at 64; u8 and lut2 words gained nothing)."""
+        a word of a token and one of the next make eight such pairs with four prmt. u8 and lut2 codes gain nothing
+        from words."""
         whole = self.base == "value" and not self.split and min(self.head_dims) >= 64
         return "u4" if whole and self.fast_unpack == "u4" else ""
 
@@ -771,7 +771,7 @@ class Layout:
     def fill_loops(self) -> bool:
         """Fill programs loop over several token tiles, so Triton prefetches the next tile's rows while this one is
         rotated and quantized: where some side rotates in Hadamard blocks. The elementwise fills and the dense
-        matrix ones keep one tile a program (measured on an H100)."""
+        matrix ones keep one tile a program, which is as fast for them."""
         return any(side.hadamard_blocks for side in self.sides)
 
     @property
@@ -816,7 +816,7 @@ class Layout:
     def gluon_decode(self) -> str:
         """The K kind ("lut3s" or "lut4") of a layout whose decode has a Gluon kernel too (kernels/decode_gluon.py.j2),
         "" otherwise: whole sides (not split or padded), K and V scaled by their norm alone, V lut2, and head_dim
-        128 among the scheme's (measured on an H100: turbo_k4v2 8 x 32k 0.1835 -> 0.1547 ms). With a window it
+        128 among the scheme's. With a window it
         takes the quantized splits and _window_decode_kernel the ring, as beside _decode_kernel; it does not skip
         attention sinks, so a scheme with sinks has none."""
         key, value = self.key, self.value

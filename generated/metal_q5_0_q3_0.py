@@ -54,7 +54,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "portable"}
+DECODE_UNPACK = {"key": "u5", "value": "lut3"}
 KEY_CODE_BITS = 5
 KEY_METADATA = ('scale',)
 KEY_GROUP_SIZE = 32  # channels sharing one set of metadata; None: the whole head
@@ -143,9 +143,9 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes
-# the default.
-_DECODE_CONFIGS = {}
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3
+# (templates/decode_tuning.json records the sweep).
+_DECODE_CONFIGS = {128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
@@ -1779,6 +1779,70 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_u5(plane0, plane1, field0, field1):
+    """5-bit uniform codes, their bits in 2 planes, -> fp16 code - 16 (centred, see decode), one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each
+    code byte (1024 + code in fp16), one subtraction per pair."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, e, o;
+        shr.b32 c, $2, $4;
+        and.b32 c, c, 0x01010101;
+        shr.b32 t, $3, $8;
+        and.b32 t, t, 0x0f0f0f0f;
+        shl.b32 t, t, 1;
+        or.b32 c, c, t;
+        mov.b32 e, 0x64646464;
+        mov.b32 o, 0x64106410;
+        prmt.b32 $0, c, e, 0x4140;
+        prmt.b32 $1, c, e, 0x4342;
+        sub.f16x2 $0, $0, o;
+        sub.f16x2 $1, $1, o;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, field0, field1],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
+    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
+    one prmt selector, and prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
+    # its next field (a select of the byte shifted once more).
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, u, s, l, h, z;
+        shr.b32 c, $2, $5;
+        shr.b32 u, c, 1;
+        lop3.b32 c, u, c, $4, 0xe4;
+        and.b32 c, c, 0x01010101;
+        shr.b32 t, $3, $9;
+        and.b32 t, t, 0x03030303;
+        shl.b32 t, t, 1;
+        or.b32 c, c, t;
+        mov.b32 z, 0;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $13, $17, s;
+        prmt.b32 h, $21, $25, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -1791,6 +1855,7 @@ def _decode_kernel(
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -1811,13 +1876,15 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
+    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
+    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1833,63 +1900,109 @@ def _decode_kernel(
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
-    KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
-    KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
-    KEY_SPAN: tl.constexpr = 32 // KEY_CHUNK  # chunks per scale group where it spans several (then KEY_GROUPS is 0)
-    key_chunk = tl.arange(0, KEY_CHUNK)
+    # key: columns in runs of its scale groups, each head_dim's own (group_dots)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
-    value_chunk = tl.arange(0, VALUE_CHUNK)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_0 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_1 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_2 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_3 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_4 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_5 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_6 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_7 = query.to(DOT_DTYPE)
+    if HEAD_DIM == 128:
+        query_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 0 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
+        query_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 16 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_0 += tl.sum(query_1.to(tl.float32), axis=1)
+        query_2 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_1 = tl.sum(query_2.to(tl.float32), axis=1)
+        query_3 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 48 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_1 += tl.sum(query_3.to(tl.float32), axis=1)
+        query_4 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_2 = tl.sum(query_4.to(tl.float32), axis=1)
+        query_5 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 80 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_2 += tl.sum(query_5.to(tl.float32), axis=1)
+        query_6 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_3 = tl.sum(query_6.to(tl.float32), axis=1)
+        query_7 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 112 + tl.arange(0, 16)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_3 += tl.sum(query_7.to(tl.float32), axis=1)
+    elif HEAD_DIM == 256:
+        query_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
+        query_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
+        query_2 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
+        query_3 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
+        query_4 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_4 = tl.sum(query_4.to(tl.float32), axis=1)
+        query_5 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_5 = tl.sum(query_5.to(tl.float32), axis=1)
+        query_6 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_6 = tl.sum(query_6.to(tl.float32), axis=1)
+        query_7 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_7 = tl.sum(query_7.to(tl.float32), axis=1)
 
     value_c0 = tl.load(value_centroids_ptr + 0)
     value_c1 = tl.load(value_centroids_ptr + 1)
@@ -1900,20 +2013,26 @@ def _decode_kernel(
     value_c6 = tl.load(value_centroids_ptr + 6)
     value_c7 = tl.load(value_centroids_ptr + 7)
 
+    if FAST_UNPACK:
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
+        value_lut_2 = tl.load(value_lut_ptr + 2)
+        value_lut_3 = tl.load(value_lut_ptr + 3)
+
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_4 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_5 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_6 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_7 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-
+    # acc_p<k>: chunks 2k and 2k + 1, side by side (position order)
+    acc_p0 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p1 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p2 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p3 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    value_pair = tl.arange(0, 2 * VALUE_CHUNK)
+    # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
+    value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
+    value_upper_bits = (value_pair >= VALUE_CHUNK).to(tl.int32)[None, :]
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
     token = tl.arange(0, BLOCK_N)
@@ -1927,6 +2046,19 @@ def _decode_kernel(
     row = (
         block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     )
+
+    key_scale_0_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 0, mask=valid, other=0.0)
+    key_scale_1_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 1, mask=valid, other=0.0)
+    key_scale_2_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 2, mask=valid, other=0.0)
+    key_scale_3_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 3, mask=valid, other=0.0)
+    if HEAD_DIM > 128:
+        key_scale_4_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 4, mask=valid, other=0.0)
+    if HEAD_DIM > 160:
+        key_scale_5_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 5, mask=valid, other=0.0)
+    if HEAD_DIM > 192:
+        key_scale_6_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 6, mask=valid, other=0.0)
+    if HEAD_DIM > 224:
+        key_scale_7_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 7, mask=valid, other=0.0)
 
     value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
 
@@ -1946,6 +2078,35 @@ def _decode_kernel(
                 + kv_head * HEAD_STRIDE
             )
 
+            key_scale_0_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 0, mask=valid_next, other=0.0)
+            key_scale_1_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 1, mask=valid_next, other=0.0)
+            key_scale_2_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 2, mask=valid_next, other=0.0)
+            key_scale_3_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 3, mask=valid_next, other=0.0)
+            if HEAD_DIM > 128:
+                key_scale_4_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 4,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 160:
+                key_scale_5_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 5,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 192:
+                key_scale_6_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 6,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 224:
+                key_scale_7_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 1) + 7,
+                    mask=valid_next,
+                    other=0.0,
+                )
+
             value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
             position += BLOCK_N
@@ -1956,221 +2117,225 @@ def _decode_kernel(
             )
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-            key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-            key_bytes_1_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-            key_bytes_1_1 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK
-                + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-            key_bytes_1_2 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK
-                + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-            key_bytes_1_3 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK
-                + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-
-            code = key_bytes_0_0 & 1
-            code = code | ((key_bytes_1_0 & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+            if HEAD_DIM == 128:
+                key_bytes_0_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 80 + 0 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (0 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 1) & 1
-            code = code | ((key_bytes_1_1 & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 80 + 16 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (1 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 1
-            code = code | ((key_bytes_1_2 & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_1 = tl.load(
+                    key_codes_ptr + row[:, None] * 80 + 32 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (2 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 3) & 1
-            code = code | ((key_bytes_1_3 & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_2 = tl.load(
+                    key_codes_ptr + row[:, None] * 80 + 48 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (3 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 1
-            code = code | (((key_bytes_1_0 >> 4) & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_3 = tl.load(
+                    key_codes_ptr + row[:, None] * 80 + 64 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (4 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 5) & 1
-            code = code | (((key_bytes_1_1 >> 4) & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 0, 0)
+                else:
+                    code = key_bytes_0_0.to(tl.int32) & 1
+                    code = code | ((key_bytes_1_0.to(tl.int32) & 15) << 1)
+                    tile_0 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_0, tl.trans(tile_0), DOT_PRECISION)
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u5(key_bytes_0_0, key_bytes_1_1, 1, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 1) & 1
+                    code = code | ((key_bytes_1_1.to(tl.int32) & 15) << 1)
+                    tile_1 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_1, tl.trans(tile_1), DOT_PRECISION, dots)
+                scale = key_scale_0_raw.to(tl.float32)
+                scales = scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores = (dots + query_sum_0[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u5(key_bytes_0_0, key_bytes_1_2, 2, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 2) & 1
+                    code = code | ((key_bytes_1_2.to(tl.int32) & 15) << 1)
+                    tile_2 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_2, tl.trans(tile_2), DOT_PRECISION)
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u5(key_bytes_0_0, key_bytes_1_3, 3, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 3) & 1
+                    code = code | ((key_bytes_1_3.to(tl.int32) & 15) << 1)
+                    tile_3 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_3, tl.trans(tile_3), DOT_PRECISION, dots)
+                scale = key_scale_1_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_1[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_4 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 4, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 4) & 1
+                    code = code | (((key_bytes_1_0.to(tl.int32) >> 4) & 15) << 1)
+                    tile_4 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_4, tl.trans(tile_4), DOT_PRECISION)
+                if FAST_UNPACK:
+                    tile_5 = _unpack_u5(key_bytes_0_0, key_bytes_1_1, 5, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 5) & 1
+                    code = code | (((key_bytes_1_1.to(tl.int32) >> 4) & 15) << 1)
+                    tile_5 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_5, tl.trans(tile_5), DOT_PRECISION, dots)
+                scale = key_scale_2_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_2[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_6 = _unpack_u5(key_bytes_0_0, key_bytes_1_2, 6, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 6) & 1
+                    code = code | (((key_bytes_1_2.to(tl.int32) >> 4) & 15) << 1)
+                    tile_6 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_6, tl.trans(tile_6), DOT_PRECISION)
+                if FAST_UNPACK:
+                    tile_7 = _unpack_u5(key_bytes_0_0, key_bytes_1_3, 7, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 7) & 1
+                    code = code | (((key_bytes_1_3.to(tl.int32) >> 4) & 15) << 1)
+                    tile_7 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_7, tl.trans(tile_7), DOT_PRECISION, dots)
+                scale = key_scale_3_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_3[:, None]) * scale[None, :]
+                # A non-finite scale makes the token's scores NaN for every query head (0 * inf), as it did when scales
+                # multiplied the tiles, instead of +-inf by the sign of each head's dot.
+                scores += (scales * 0.0)[None, :]
+            elif HEAD_DIM == 256:
+                key_bytes_0_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 160 + 0 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (5 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 1
-            code = code | (((key_bytes_1_2 >> 4) & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 160 + 32 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (6 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
-
-            dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 7) & 1
-            code = code | (((key_bytes_1_3 >> 4) & 15) << 1)
-
-            level = (code - 15).to(tl.float32)
-
-            if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
-                group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-                scale = tl.load(
-                    key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 1) + group[None, :] * 1,
+                    other=0,
+                )
+                key_bytes_1_1 = tl.load(
+                    key_codes_ptr + row[:, None] * 160 + 64 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile, [BLOCK_N, KEY_CHUNK])
-            else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
-                scale = tl.load(
-                    key_meta_ptr + row * (HEAD_DIM // 32 * 1) + (7 // KEY_SPAN) * 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None]
+                    other=0,
+                )
+                key_bytes_1_2 = tl.load(
+                    key_codes_ptr + row[:, None] * 160 + 96 + tl.arange(0, 32)[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                key_bytes_1_3 = tl.load(
+                    key_codes_ptr + row[:, None] * 160 + 128 + tl.arange(0, 32)[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 0, 0)
+                else:
+                    code = key_bytes_0_0.to(tl.int32) & 1
+                    code = code | ((key_bytes_1_0.to(tl.int32) & 15) << 1)
+                    tile_0 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_0, tl.trans(tile_0), DOT_PRECISION)
+                scale = key_scale_0_raw.to(tl.float32)
+                scales = scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores = (dots + query_sum_0[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u5(key_bytes_0_0, key_bytes_1_1, 1, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 1) & 1
+                    code = code | ((key_bytes_1_1.to(tl.int32) & 15) << 1)
+                    tile_1 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_1, tl.trans(tile_1), DOT_PRECISION)
+                scale = key_scale_1_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_1[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u5(key_bytes_0_0, key_bytes_1_2, 2, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 2) & 1
+                    code = code | ((key_bytes_1_2.to(tl.int32) & 15) << 1)
+                    tile_2 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_2, tl.trans(tile_2), DOT_PRECISION)
+                scale = key_scale_2_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_2[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u5(key_bytes_0_0, key_bytes_1_3, 3, 0)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 3) & 1
+                    code = code | ((key_bytes_1_3.to(tl.int32) & 15) << 1)
+                    tile_3 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_3, tl.trans(tile_3), DOT_PRECISION)
+                scale = key_scale_3_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_3[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_4 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 4, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 4) & 1
+                    code = code | (((key_bytes_1_0.to(tl.int32) >> 4) & 15) << 1)
+                    tile_4 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_4, tl.trans(tile_4), DOT_PRECISION)
+                scale = key_scale_4_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_4[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_5 = _unpack_u5(key_bytes_0_0, key_bytes_1_1, 5, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 5) & 1
+                    code = code | (((key_bytes_1_1.to(tl.int32) >> 4) & 15) << 1)
+                    tile_5 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_5, tl.trans(tile_5), DOT_PRECISION)
+                scale = key_scale_5_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_5[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_6 = _unpack_u5(key_bytes_0_0, key_bytes_1_2, 6, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 6) & 1
+                    code = code | (((key_bytes_1_2.to(tl.int32) >> 4) & 15) << 1)
+                    tile_6 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_6, tl.trans(tile_6), DOT_PRECISION)
+                scale = key_scale_6_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_6[:, None]) * scale[None, :]
+                if FAST_UNPACK:
+                    tile_7 = _unpack_u5(key_bytes_0_0, key_bytes_1_3, 7, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 7) & 1
+                    code = code | (((key_bytes_1_3.to(tl.int32) >> 4) & 15) << 1)
+                    tile_7 = (code - 16).to(DOT_DTYPE)
+                dots = _mm(query_7, tl.trans(tile_7), DOT_PRECISION)
+                scale = key_scale_7_raw.to(tl.float32)
+                scales += scale
+                # absmax levels are code - 15: one more than the tiles, times the query's sum over the group
+                scores += (dots + query_sum_7[:, None]) * scale[None, :]
+                # A non-finite scale makes the token's scores NaN for every query head (0 * inf), as it did when scales
+                # multiplied the tiles, instead of +-inf by the sign of each head's dot.
+                scores += (scales * 0.0)[None, :]
 
-            dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-
-            scores = dots
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
@@ -2178,186 +2343,133 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_0 *= alpha[:, None]
-                acc_1 *= alpha[:, None]
-                acc_2 *= alpha[:, None]
-                acc_3 *= alpha[:, None]
-                acc_4 *= alpha[:, None]
-                acc_5 *= alpha[:, None]
-                acc_6 *= alpha[:, None]
-                acc_7 *= alpha[:, None]
+                acc_p0 *= alpha[:, None]
+                acc_p1 *= alpha[:, None]
+                acc_p2 *= alpha[:, None]
+                acc_p3 *= alpha[:, None]
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
 
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
-            value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
+            value_pair_0 = tl.load(
+                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + (value_pair % VALUE_CHUNK)[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
-            value_bytes_1_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :],
+            )
+            value_pair_1_0 = tl.load(
+                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_pair[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
-            value_bytes_1_1 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK
-                + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 1
-            code = code | ((value_bytes_1_0 & 3) << 1)
+            if FAST_UNPACK:
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 0, 0, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p0 = tl.dot(weights, tile, acc_p0)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 2, 2, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p1 = tl.dot(weights, tile, acc_p1)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 4, 4, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p2 = tl.dot(weights, tile, acc_p2)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 6, 6, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p3 = tl.dot(weights, tile, acc_p3)
+            else:
+                value_pair_0 = value_pair_0.to(tl.int32)
+                value_pair_1_0 = value_pair_1_0.to(tl.int32)
+                code = (value_pair_0 >> value_upper_bits) & 1
+                code = code | ((value_pair_1_0 & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
+                code = (value_pair_0 >> (2 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 2) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 1) & 1
-            code = code | ((value_bytes_1_1 & 3) << 1)
+                acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
+                code = (value_pair_0 >> (4 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 4) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
+                code = (value_pair_0 >> (6 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 6) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 2) & 1
-            code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 3) & 1
-            code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
-            code = (value_bytes_0_0 >> 4) & 1
-            code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
-            code = (value_bytes_0_0 >> 5) & 1
-            code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
-            code = (value_bytes_0_0 >> 6) & 1
-            code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
-            code = (value_bytes_0_0 >> 7) & 1
-            code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
+                acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 
             row = row_next
             valid = valid_next
+            key_scale_0_raw = key_scale_0_next
+            key_scale_1_raw = key_scale_1_next
+            key_scale_2_raw = key_scale_2_next
+            key_scale_3_raw = key_scale_3_next
+            if HEAD_DIM > 128:
+                key_scale_4_raw = key_scale_4_next
+            if HEAD_DIM > 160:
+                key_scale_5_raw = key_scale_5_next
+            if HEAD_DIM > 192:
+                key_scale_6_raw = key_scale_6_next
+            if HEAD_DIM > 224:
+                key_scale_7_raw = key_scale_7_next
+
             value_norm_raw = value_norm_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
-    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_pair[None, :], acc_p0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p1,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
-        acc_2,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p2,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
-        acc_3,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 4 * VALUE_CHUNK + value_chunk[None, :],
-        acc_4,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 5 * VALUE_CHUNK + value_chunk[None, :],
-        acc_5,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 6 * VALUE_CHUNK + value_chunk[None, :],
-        acc_6,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 7 * VALUE_CHUNK + value_chunk[None, :],
-        acc_7,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p3,
         mask=q_valid[:, None],
     )
 
@@ -2426,6 +2538,15 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
+def _lut_words(entries: torch.Tensor) -> torch.Tensor:
+    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
+    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
+    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
+    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""
@@ -2454,6 +2575,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -3191,6 +3313,7 @@ def decode(
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,
@@ -3210,6 +3333,7 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

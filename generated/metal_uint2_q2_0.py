@@ -54,7 +54,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "lut2"}
+DECODE_UNPACK = {"key": "u2", "value": "lut2"}
 KEY_CODE_BITS = 2
 KEY_METADATA = ('scale', 'zero')
 KEY_GROUP_SIZE = 32  # channels sharing one set of metadata; None: the whole head
@@ -137,9 +137,9 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Not tuned for this scheme: every head_dim takes
-# the default.
-_DECODE_CONFIGS = {}
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3
+# (templates/decode_tuning.json records the sweep).
+_DECODE_CONFIGS = {128: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
@@ -1032,6 +1032,31 @@ def _unpack_lut2(codes, lo, hi):
 
 
 @triton.jit
+def _unpack_u2(plane0, field0):
+    """2-bit uniform codes -> fp16 code - 2 (centred, see decode), one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each
+    code byte (1024 + code in fp16), one subtraction per pair."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, e, o;
+        shr.b32 c, $2, $3;
+        and.b32 c, c, 0x03030303;
+        mov.b32 e, 0x64646464;
+        mov.b32 o, 0x64026402;
+        prmt.b32 $0, c, e, 0x4140;
+        prmt.b32 $1, c, e, 0x4342;
+        sub.f16x2 $0, $0, o;
+        sub.f16x2 $1, $1, o;
+        }""",
+        constraints="=r,=r,r,r,r,r,r",
+        args=[plane0, field0],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -1089,38 +1114,86 @@ def _decode_kernel(
     start = split * tokens_per_split
     if start >= seq_len:
         return  # the reduce kernel skips splits past the sequence's end
-    KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
-    KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk
-    key_chunk = tl.arange(0, KEY_CHUNK)
+    # key: columns in runs of its scale groups, each head_dim's own (group_dots)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
     value_chunk = tl.arange(0, VALUE_CHUNK)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_0 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_1 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_2 = query.to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_3 = query.to(DOT_DTYPE)
+    if HEAD_DIM == 128:
+        query_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
+        query_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
+        query_2 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
+        query_3 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
+    elif HEAD_DIM == 256:
+        query_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
+        query_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
+        query_2 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
+        query_3 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
+        query_4 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_4 = tl.sum(query_4.to(tl.float32), axis=1)
+        query_5 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_5 = tl.sum(query_5.to(tl.float32), axis=1)
+        query_6 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_6 = tl.sum(query_6.to(tl.float32), axis=1)
+        query_7 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        query_sum_7 = tl.sum(query_7.to(tl.float32), axis=1)
 
     value_c0 = tl.load(value_centroids_ptr + 0)
     value_c1 = tl.load(value_centroids_ptr + 1)
@@ -1155,6 +1228,27 @@ def _decode_kernel(
         block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     )
 
+    key_scale_0_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 0, mask=valid, other=0.0)
+    key_zero_0_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 1, mask=valid, other=0.0)
+    key_scale_1_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 2, mask=valid, other=0.0)
+    key_zero_1_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 3, mask=valid, other=0.0)
+    key_scale_2_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 4, mask=valid, other=0.0)
+    key_zero_2_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 5, mask=valid, other=0.0)
+    key_scale_3_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 6, mask=valid, other=0.0)
+    key_zero_3_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 7, mask=valid, other=0.0)
+    if HEAD_DIM > 128:
+        key_scale_4_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 8, mask=valid, other=0.0)
+        key_zero_4_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 9, mask=valid, other=0.0)
+    if HEAD_DIM > 160:
+        key_scale_5_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 10, mask=valid, other=0.0)
+        key_zero_5_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 11, mask=valid, other=0.0)
+    if HEAD_DIM > 192:
+        key_scale_6_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 12, mask=valid, other=0.0)
+        key_zero_6_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 13, mask=valid, other=0.0)
+    if HEAD_DIM > 224:
+        key_scale_7_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 14, mask=valid, other=0.0)
+        key_zero_7_raw = tl.load(key_meta_ptr + row * (HEAD_DIM // 32 * 2) + 15, mask=valid, other=0.0)
+
     value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
 
     position += BLOCK_N
@@ -1173,6 +1267,59 @@ def _decode_kernel(
                 + kv_head * HEAD_STRIDE
             )
 
+            key_scale_0_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 0, mask=valid_next, other=0.0)
+            key_zero_0_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 1, mask=valid_next, other=0.0)
+            key_scale_1_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 2, mask=valid_next, other=0.0)
+            key_zero_1_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 3, mask=valid_next, other=0.0)
+            key_scale_2_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 4, mask=valid_next, other=0.0)
+            key_zero_2_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 5, mask=valid_next, other=0.0)
+            key_scale_3_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 6, mask=valid_next, other=0.0)
+            key_zero_3_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 7, mask=valid_next, other=0.0)
+            if HEAD_DIM > 128:
+                key_scale_4_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                key_zero_4_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 160:
+                key_scale_5_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                key_zero_5_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 192:
+                key_scale_6_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                key_zero_6_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 224:
+                key_scale_7_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                key_zero_7_next = tl.load(
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15,
+                    mask=valid_next,
+                    other=0.0,
+                )
+
             value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
 
             position += BLOCK_N
@@ -1183,90 +1330,144 @@ def _decode_kernel(
             )
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-            key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
+            if HEAD_DIM == 128:
+                key_bytes_0_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 32 + 0 + tl.arange(0, 32)[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u2(key_bytes_0_0, 0)
+                else:
+                    code = key_bytes_0_0.to(tl.int32) & 3
+                    tile_0 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_0, tl.trans(tile_0), DOT_PRECISION)
+                scale = key_scale_0_raw.to(tl.float32)
+                scores = dots * scale[None, :] + query_sum_0[:, None] * (
+                    key_zero_0_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u2(key_bytes_0_0, 2)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 2) & 3
+                    tile_1 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_1, tl.trans(tile_1), DOT_PRECISION)
+                scale = key_scale_1_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_1[:, None] * (
+                    key_zero_1_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u2(key_bytes_0_0, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 4) & 3
+                    tile_2 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_2, tl.trans(tile_2), DOT_PRECISION)
+                scale = key_scale_2_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_2[:, None] * (
+                    key_zero_2_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u2(key_bytes_0_0, 6)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 6) & 3
+                    tile_3 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_3, tl.trans(tile_3), DOT_PRECISION)
+                scale = key_scale_3_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_3[:, None] * (
+                    key_zero_3_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+            elif HEAD_DIM == 256:
+                key_bytes_0_0 = tl.load(
+                    key_codes_ptr + row[:, None] * 64 + 0 + tl.arange(0, 32)[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                key_bytes_0_1 = tl.load(
+                    key_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u2(key_bytes_0_0, 0)
+                else:
+                    code = key_bytes_0_0.to(tl.int32) & 3
+                    tile_0 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_0, tl.trans(tile_0), DOT_PRECISION)
+                scale = key_scale_0_raw.to(tl.float32)
+                scores = dots * scale[None, :] + query_sum_0[:, None] * (
+                    key_zero_0_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u2(key_bytes_0_1, 0)
+                else:
+                    code = key_bytes_0_1.to(tl.int32) & 3
+                    tile_1 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_1, tl.trans(tile_1), DOT_PRECISION)
+                scale = key_scale_1_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_1[:, None] * (
+                    key_zero_1_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u2(key_bytes_0_0, 2)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 2) & 3
+                    tile_2 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_2, tl.trans(tile_2), DOT_PRECISION)
+                scale = key_scale_2_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_2[:, None] * (
+                    key_zero_2_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u2(key_bytes_0_1, 2)
+                else:
+                    code = (key_bytes_0_1.to(tl.int32) >> 2) & 3
+                    tile_3 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_3, tl.trans(tile_3), DOT_PRECISION)
+                scale = key_scale_3_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_3[:, None] * (
+                    key_zero_3_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_4 = _unpack_u2(key_bytes_0_0, 4)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 4) & 3
+                    tile_4 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_4, tl.trans(tile_4), DOT_PRECISION)
+                scale = key_scale_4_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_4[:, None] * (
+                    key_zero_4_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_5 = _unpack_u2(key_bytes_0_1, 4)
+                else:
+                    code = (key_bytes_0_1.to(tl.int32) >> 4) & 3
+                    tile_5 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_5, tl.trans(tile_5), DOT_PRECISION)
+                scale = key_scale_5_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_5[:, None] * (
+                    key_zero_5_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_6 = _unpack_u2(key_bytes_0_0, 6)
+                else:
+                    code = (key_bytes_0_0.to(tl.int32) >> 6) & 3
+                    tile_6 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_6, tl.trans(tile_6), DOT_PRECISION)
+                scale = key_scale_6_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_6[:, None] * (
+                    key_zero_6_raw.to(tl.float32) + 2 * scale
+                )[None, :]
+                if FAST_UNPACK:
+                    tile_7 = _unpack_u2(key_bytes_0_1, 6)
+                else:
+                    code = (key_bytes_0_1.to(tl.int32) >> 6) & 3
+                    tile_7 = (code - 2).to(DOT_DTYPE)
+                dots = _mm(query_7, tl.trans(tile_7), DOT_PRECISION)
+                scale = key_scale_7_raw.to(tl.float32)
+                scores += dots * scale[None, :] + query_sum_7[:, None] * (
+                    key_zero_7_raw.to(tl.float32) + 2 * scale
+                )[None, :]
 
-            code = key_bytes_0_0 & 3
-
-            level = code.to(tl.float32)
-
-            group = tl.arange(0, KEY_GROUPS)
-            scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            zero = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, KEY_CHUNK])
-
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 3
-
-            level = code.to(tl.float32)
-
-            group = 1 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            zero = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, KEY_CHUNK])
-
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 3
-
-            level = code.to(tl.float32)
-
-            group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            zero = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, KEY_CHUNK])
-
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 3
-
-            level = code.to(tl.float32)
-
-            group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
-            scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            zero = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            tile = tl.reshape(level, [BLOCK_N, KEY_GROUPS, 32]) * scale[:, :, None]
-            tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, KEY_CHUNK])
-
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-
-            scores = dots
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             # LAZY_RESCALE: past a split's first tiles few raise any row's max, and the rest skip the rescaling; it
@@ -1337,6 +1538,27 @@ def _decode_kernel(
 
             row = row_next
             valid = valid_next
+            key_scale_0_raw = key_scale_0_next
+            key_zero_0_raw = key_zero_0_next
+            key_scale_1_raw = key_scale_1_next
+            key_zero_1_raw = key_zero_1_next
+            key_scale_2_raw = key_scale_2_next
+            key_zero_2_raw = key_zero_2_next
+            key_scale_3_raw = key_scale_3_next
+            key_zero_3_raw = key_zero_3_next
+            if HEAD_DIM > 128:
+                key_scale_4_raw = key_scale_4_next
+                key_zero_4_raw = key_zero_4_next
+            if HEAD_DIM > 160:
+                key_scale_5_raw = key_scale_5_next
+                key_zero_5_raw = key_zero_5_next
+            if HEAD_DIM > 192:
+                key_scale_6_raw = key_scale_6_next
+                key_zero_6_raw = key_zero_6_next
+            if HEAD_DIM > 224:
+                key_scale_7_raw = key_scale_7_next
+                key_zero_7_raw = key_zero_7_next
+
             value_norm_raw = value_norm_next
 
     part = q_row * num_splits + split

@@ -59,7 +59,7 @@ SCHEME = {'head_dims': [128, 256],
  'window': 64}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "portable"}
+DECODE_UNPACK = {"key": "lut1", "value": "lut1"}
 WINDOW = 64  # recent tokens per sequence kept unquantized, in a ring: allocate_cache(max_seqs=...)
 KEY_CODE_BITS = 1
 KEY_METADATA = ('norm',)
@@ -149,7 +149,7 @@ _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned by `kvqc tune` on NVIDIA H100 80GB HBM3
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3
 # (templates/decode_tuning.json records the sweep).
 _DECODE_CONFIGS = {128: (32, 1, 3, 16, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
@@ -1397,6 +1397,66 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut1(plane0, field0, lut0):
+    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
+    one prmt selector, and prmt reads the entries' low and high bytes (lut: 1 words, as _lut_words packs them)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, s, l, h, z;
+        shr.b32 c, $2, $3;
+        and.b32 c, c, 0x01010101;
+        mov.b32 z, 0;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $7, $7, s;
+        or.b32 s, s, 0x2222;
+        prmt.b32 h, $7, $7, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, field0, lut0],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _unpack_lut1_pairs(plane0, upper, field0, lut0):
+    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
+    one prmt selector, and prmt reads the entries' low and high bytes (lut: 1 words, as _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
+    # its next field (a select of the byte shifted once more).
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, u, s, l, h, z;
+        shr.b32 c, $2, $4;
+        shr.b32 u, c, 1;
+        lop3.b32 c, u, c, $3, 0xe4;
+        and.b32 c, c, 0x01010101;
+        mov.b32 z, 0;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $8, $8, s;
+        or.b32 s, s, 0x2222;
+        prmt.b32 h, $8, $8, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, upper, field0, lut0],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -1406,11 +1466,13 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -1431,13 +1493,15 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
+    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
+    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1457,7 +1521,6 @@ def _decode_kernel(
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
-    value_chunk = tl.arange(0, VALUE_CHUNK)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
@@ -1515,20 +1578,25 @@ def _decode_kernel(
     value_c0 = tl.load(value_centroids_ptr + 0)
     value_c1 = tl.load(value_centroids_ptr + 1)
 
+    if FAST_UNPACK:
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_4 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_5 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_6 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_7 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-
+    # acc_p<k>: chunks 2k and 2k + 1, side by side (position order)
+    acc_p0 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p1 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p2 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p3 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    value_pair = tl.arange(0, 2 * VALUE_CHUNK)
+    # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
+    value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
+    value_upper_bits = (value_pair >= VALUE_CHUNK).to(tl.int32)[None, :]
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
     token = tl.arange(0, BLOCK_N)
@@ -1577,58 +1645,78 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
 
-            code = key_bytes_0_0 & 1
+            if FAST_UNPACK:
+                tile = _unpack_lut1(key_bytes_0_0, 0, key_lut_0)
+                dots = tl.dot(query_0, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 1, key_lut_0)
+                dots += tl.dot(query_1, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 2, key_lut_0)
+                dots += tl.dot(query_2, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 3, key_lut_0)
+                dots += tl.dot(query_3, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 4, key_lut_0)
+                dots += tl.dot(query_4, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 5, key_lut_0)
+                dots += tl.dot(query_5, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 6, key_lut_0)
+                dots += tl.dot(query_6, tl.trans(tile))
+                tile = _unpack_lut1(key_bytes_0_0, 7, key_lut_0)
+                dots += tl.dot(query_7, tl.trans(tile))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                code = key_bytes_0_0 & 1
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 1) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 1) & 1
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 2) & 1
 
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 3) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 3) & 1
 
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 1
 
-            dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 5) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 5) & 1
 
-            dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 6) & 1
 
-            dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 7) & 1
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            tile = lut_0_0
+                dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 7) & 1
 
-            dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                tile = lut_0_0
+
+                dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores = dots * key_norm[None, :]
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1638,77 +1726,56 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_0 *= alpha[:, None]
-                acc_1 *= alpha[:, None]
-                acc_2 *= alpha[:, None]
-                acc_3 *= alpha[:, None]
-                acc_4 *= alpha[:, None]
-                acc_5 *= alpha[:, None]
-                acc_6 *= alpha[:, None]
-                acc_7 *= alpha[:, None]
+                acc_p0 *= alpha[:, None]
+                acc_p1 *= alpha[:, None]
+                acc_p2 *= alpha[:, None]
+                acc_p3 *= alpha[:, None]
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
 
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
-            value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :],
+            value_pair_0 = tl.load(
+                value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + (value_pair % VALUE_CHUNK)[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 1
+            if FAST_UNPACK:
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 0, value_lut_0)
+                acc_p0 = tl.dot(weights, tile, acc_p0)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 2, value_lut_0)
+                acc_p1 = tl.dot(weights, tile, acc_p1)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 4, value_lut_0)
+                acc_p2 = tl.dot(weights, tile, acc_p2)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 6, value_lut_0)
+                acc_p3 = tl.dot(weights, tile, acc_p3)
+            else:
+                value_pair_0 = value_pair_0.to(tl.int32)
+                code = (value_pair_0 >> value_upper_bits) & 1
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
+                acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
+                code = (value_pair_0 >> (2 + value_upper_bits)) & 1
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                tile = lut_0_0
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 1) & 1
+                acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
+                code = (value_pair_0 >> (4 + value_upper_bits)) & 1
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                tile = lut_0_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
+                acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
+                code = (value_pair_0 >> (6 + value_upper_bits)) & 1
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                tile = lut_0_0
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 2) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 3) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
-            code = (value_bytes_0_0 >> 4) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
-            code = (value_bytes_0_0 >> 5) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
-            code = (value_bytes_0_0 >> 6) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
-            code = (value_bytes_0_0 >> 7) & 1
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            tile = lut_0_0
-
-            acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
+                acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 
             row = row_next
             valid = valid_next
@@ -1718,40 +1785,20 @@ def _decode_kernel(
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
-    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_pair[None, :], acc_p0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p1,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
-        acc_2,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p2,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
-        acc_3,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 4 * VALUE_CHUNK + value_chunk[None, :],
-        acc_4,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 5 * VALUE_CHUNK + value_chunk[None, :],
-        acc_5,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 6 * VALUE_CHUNK + value_chunk[None, :],
-        acc_6,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 7 * VALUE_CHUNK + value_chunk[None, :],
-        acc_7,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p3,
         mask=q_valid[:, None],
     )
 
@@ -1955,6 +2002,15 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
+def _lut_words(entries: torch.Tensor) -> torch.Tensor:
+    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
+    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
+    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
+    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""
@@ -1973,6 +2029,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value
     order = torch.arange(d)
@@ -1986,6 +2043,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -2826,11 +2884,13 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,
@@ -2850,6 +2910,7 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

@@ -55,7 +55,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "portable"}
+DECODE_UNPACK = {"key": "portable", "value": "lut3"}
 KEY_CODE_BITS = 3
 KEY_METADATA = ('norm', 'residual_norm')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
@@ -2251,6 +2251,41 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
+    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
+    one prmt selector, and prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
+    # its next field (a select of the byte shifted once more).
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, u, s, l, h, z;
+        shr.b32 c, $2, $5;
+        shr.b32 u, c, 1;
+        lop3.b32 c, u, c, $4, 0xe4;
+        and.b32 c, c, 0x01010101;
+        shr.b32 t, $3, $9;
+        and.b32 t, t, 0x03030303;
+        shl.b32 t, t, 1;
+        or.b32 c, c, t;
+        mov.b32 z, 0;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $13, $17, s;
+        prmt.b32 h, $21, $25, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     query_qjl_ptr,
@@ -2267,6 +2302,7 @@ def _decode_kernel(
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -2287,13 +2323,15 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
+    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
+    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -2312,7 +2350,6 @@ def _decode_kernel(
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
-    value_chunk = tl.arange(0, VALUE_CHUNK)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
@@ -2418,20 +2455,26 @@ def _decode_kernel(
     value_c6 = tl.load(value_centroids_ptr + 6)
     value_c7 = tl.load(value_centroids_ptr + 7)
 
+    if FAST_UNPACK:
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
+        value_lut_2 = tl.load(value_lut_ptr + 2)
+        value_lut_3 = tl.load(value_lut_ptr + 3)
+
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_4 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_5 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_6 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_7 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-
+    # acc_p<k>: chunks 2k and 2k + 1, side by side (position order)
+    acc_p0 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p1 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p2 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p3 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    value_pair = tl.arange(0, 2 * VALUE_CHUNK)
+    # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
+    value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
+    value_upper_bits = (value_pair >= VALUE_CHUNK).to(tl.int32)[None, :]
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
     token = tl.arange(0, BLOCK_N)
@@ -2614,144 +2657,98 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_0 *= alpha[:, None]
-                acc_1 *= alpha[:, None]
-                acc_2 *= alpha[:, None]
-                acc_3 *= alpha[:, None]
-                acc_4 *= alpha[:, None]
-                acc_5 *= alpha[:, None]
-                acc_6 *= alpha[:, None]
-                acc_7 *= alpha[:, None]
+                acc_p0 *= alpha[:, None]
+                acc_p1 *= alpha[:, None]
+                acc_p2 *= alpha[:, None]
+                acc_p3 *= alpha[:, None]
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
 
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
-            value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
+            value_pair_0 = tl.load(
+                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + (value_pair % VALUE_CHUNK)[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
-            value_bytes_1_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :],
+            )
+            value_pair_1_0 = tl.load(
+                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_pair[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
-            value_bytes_1_1 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK
-                + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 1
-            code = code | ((value_bytes_1_0 & 3) << 1)
+            if FAST_UNPACK:
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 0, 0, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p0 = tl.dot(weights, tile, acc_p0)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 2, 2, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p1 = tl.dot(weights, tile, acc_p1)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 4, 4, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p2 = tl.dot(weights, tile, acc_p2)
+                tile = _unpack_lut3_pairs(
+                    value_pair_0, value_pair_1_0, value_upper, 6, 6, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
+                )
+                acc_p3 = tl.dot(weights, tile, acc_p3)
+            else:
+                value_pair_0 = value_pair_0.to(tl.int32)
+                value_pair_1_0 = value_pair_1_0.to(tl.int32)
+                code = (value_pair_0 >> value_upper_bits) & 1
+                code = code | ((value_pair_1_0 & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
+                code = (value_pair_0 >> (2 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 2) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 1) & 1
-            code = code | ((value_bytes_1_1 & 3) << 1)
+                acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
+                code = (value_pair_0 >> (4 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 4) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
+                code = (value_pair_0 >> (6 + value_upper_bits)) & 1
+                code = code | (((value_pair_1_0 >> 6) & 3) << 1)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
+                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 2) & 1
-            code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 3) & 1
-            code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
-            code = (value_bytes_0_0 >> 4) & 1
-            code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_4 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_4)
-            code = (value_bytes_0_0 >> 5) & 1
-            code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_5 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_5)
-            code = (value_bytes_0_0 >> 6) & 1
-            code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_6 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_6)
-            code = (value_bytes_0_0 >> 7) & 1
-            code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
-
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-            lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
-
-            acc_7 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_7)
+                acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 
             row = row_next
             valid = valid_next
@@ -2762,40 +2759,20 @@ def _decode_kernel(
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
-    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_pair[None, :], acc_p0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p1,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
-        acc_2,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p2,
         mask=q_valid[:, None],
     )
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
-        acc_3,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 4 * VALUE_CHUNK + value_chunk[None, :],
-        acc_4,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 5 * VALUE_CHUNK + value_chunk[None, :],
-        acc_5,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 6 * VALUE_CHUNK + value_chunk[None, :],
-        acc_6,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 7 * VALUE_CHUNK + value_chunk[None, :],
-        acc_7,
+        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * 2 * VALUE_CHUNK + value_pair[None, :],
+        acc_p3,
         mask=q_valid[:, None],
     )
 
@@ -2892,6 +2869,15 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
+def _lut_words(entries: torch.Tensor) -> torch.Tensor:
+    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
+    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
+    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
+    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""
@@ -2925,6 +2911,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -3652,6 +3639,7 @@ def decode(
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,
@@ -3671,6 +3659,7 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

@@ -98,7 +98,7 @@ def decode_tuning(name: str) -> dict:
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
     if configs:
-        comment = f"Tuned by `kvqc tune` on {table['device']} (templates/decode_tuning.json records the sweep)."
+        comment = f"Tuned on {table['device']} (templates/decode_tuning.json records the sweep)."
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])

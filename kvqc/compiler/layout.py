@@ -367,20 +367,78 @@ class SideLayout:
     @property
     def fast_unpack(self) -> str:
         """Decode's PTX unpacking of this side's codes on NVIDIA (kernels/unpack.py.j2), "" for the portable select
-        trees: "u8" / "u4" uniform codes with a scale and zero, "lut2" / "lut4" Lloyd-Max indices, "lut3s" a 3-bit
-        index and a residual sign. One plane, no padding and scales per token only: group and channel scales keep
-        the portable path."""
+        trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
+        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
+        are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
+        and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max codes a norm. Padded
+        chunks, per-channel scales, V's scale groups, QJL, residuals over several planes, absmax scales per token
+        and Lloyd-Max codebooks of more than 16 entries keep the portable path."""
         s = self.scheme
-        if len(self.planes) != 1 or self.padded or self.group_size or self.per_channel:
+        bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
+        if self.padded or self.per_channel or (self.group_size and not self.group_dots):
             return ""
-        bits, residual = s.codebook.bits, s.residual.kind
-        if s.codebook.kind == "uniform" and s.scale.kind == "minmax" and residual == "none" and bits in (4, 8):
+        one_plane = len(self.planes) == 1
+        if kind == "uniform" and residual == "none" and (s.scale.kind == "minmax" or self.group_dots):
             return f"u{bits}"
-        if s.codebook.kind == "lloyd_max" and residual == "none" and bits in (2, 4):
+        if kind == "lloyd_max" and residual == "none" and (bits in (1, 3) or (bits in (2, 4) and one_plane)):
             return f"lut{bits}"
-        if s.codebook.kind == "lloyd_max" and residual == "sign" and bits == 3:
+        if kind == "lloyd_max" and residual == "sign" and bits == 3 and one_plane:
             return "lut3s"
         return ""
+
+    @property
+    def plane_unpack(self) -> bool:
+        """The side's PTX kind is made by the generated helper that gathers each code's bits from its planes
+        (kernels/unpack.py.j2: one tile per call), not by one of the hand-written whole-byte helpers."""
+        return bool(self.fast_unpack) and self.fast_unpack not in ("u4", "u8", "lut2", "lut4", "lut3s")
+
+    @property
+    def pairs(self) -> bool:
+        """V's plane_unpack tiles span two chunks (2 * head_dim / chunks columns) where a chunk is narrower than 32
+        columns at some head_dim: Triton 3.6 stages a 16-column tl.dot B operand through shared memory column-major,
+        one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a 32-column one
+        row-major in 16-byte stores. Chunks 2k and 2k + 1 read the same bytes of the narrowest plane (fields 2k and
+        2k + 1) and adjacent byte runs, at one field, of every other plane."""
+        if self.base != "value" or not self.plane_unpack or self.split or self.chunks < 2:
+            return False
+        return any(self.part_dim(d) // self.chunks < 32 for d in self.head_dims)
+
+    @property
+    def group_dots(self) -> bool:
+        """K with scales per group of channels: decode takes one dot per run of `unit(d)` columns (a group, or the
+        chunk where a group spans several) against the matching query columns, and multiplies each group's dots by
+        its scale per token (plus its zero times the query's sum over the group), so tiles stay integer codes.
+        Needs units of 16 columns or more (tl.dot's smallest K) at every head_dim, uniform codes and a whole side."""
+        if self.base != "key" or not self.group_size or self.per_channel or self.split or self.padded:
+            return False
+        if self.scheme.codebook.kind != "uniform":
+            return False
+        return all(self.unit(d) >= 16 for d in self.head_dims)
+
+    def unit(self, head_dim: int) -> int:
+        """Columns of one group_dots tile at head_dim: the scale group, or the chunk where a group spans chunks."""
+        return min(self.group_size, self.part_dim(head_dim) // self.chunks)
+
+    def units(self, head_dim: int) -> list[dict]:
+        """group_dots' tiles at head_dim, in position order: each one's scale group and, per plane, the byte run
+        (`window`, of unit(d) bytes from the plane's start) and the bit field it reads. A plane with k codes per
+        byte keeps position p in byte p % (d / k), field p // (d / k) (module docstring)."""
+        w = self.unit(head_dim)
+        out = []
+        for u in range(head_dim // w):
+            first = u * w
+            planes = []
+            for plane in self.planes:
+                plane_bytes = head_dim * plane.width // 8
+                planes.append({"window": first % plane_bytes // w, "field": first // plane_bytes})
+            out.append({"group": first // self.group_size, "planes": planes})
+        return out
+
+    @property
+    def code_centre(self) -> int:
+        """What the uniform PTX helpers subtract from a code (2**(bits-1)): decode adds the difference from the
+        level back (absmax levels are code - (2**(bits-1) - 1): one query sum per group)."""
+        return 2 ** (self.scheme.codebook.bits - 1)
 
     @property
     def lut_words(self) -> int:
@@ -405,11 +463,14 @@ class SideLayout:
     def decode_path(self) -> str:
         """How decode reads this side, in words (`kvqc explain`)."""
         if self.fast_unpack:
-            how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}) on NVIDIA"
+            planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
+            how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = "portable unpacking (shift, mask and select trees)"
         if self.per_channel:
             scales = f"per-channel scales shared by {self.token_group} tokens, factored out of the dots"
+        elif self.group_dots:
+            scales = f"scales per group of {self.group_size} channels, one dot per group, applied to the scores"
         elif self.group_size:
             scales = f"scales per group of {self.group_size} channels, loaded per chunk and applied to every element"
         elif self.row_factor:

@@ -739,6 +739,21 @@ def test_explain_turbo_k4v2(capsys):
     assert "kernels:" in out and "fill" in out and "flatten" in out and "decode" in out
 
 
+def test_build_says_which_sides_decode_on_the_portable_path(tmp_path, capsys):
+    """A scheme whose decode reads a side without a PTX helper is named at build time, with the reason, and the same
+    reason is in `kvqc explain`; a scheme whose sides all have one builds without a note."""
+    assert main(["build", str(SCHEME_DIR / "kivi_k2v2.yaml"), str(SCHEME_DIR / "int4_token.yaml"),
+                 "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: kivi_k2v2: decode reads key (per-channel scales) and value (scales per group of channels "
+                     "on values) on the portable path, without PTX unpacking (`kvqc explain kivi_k2v2`)"]
+    assert main(["explain", str(SCHEME_DIR / "kivi_k2v2.yaml")]) == 0
+    assert "key: portable unpacking (shift, mask and select trees: per-channel scales)" in capsys.readouterr().out
+    assert main(["build", str(SCHEME_DIR / "int4_token.yaml"), "--out", str(tmp_path), "--check"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
 NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q5_0_q3_0", "metal_q8_0_q3_0",
                                      "metal_uint2_q2_0", "sign1_window")}

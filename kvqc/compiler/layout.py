@@ -460,13 +460,37 @@ class SideLayout:
         fast = self.hadamard_blocks and self.factor_after_matrix and self.fast_unpack in ("lut2", "lut3s", "lut4")
         return self.fast_unpack if fast else ""
 
+    @property
+    def portable_reason(self) -> str:
+        """Why decode reads this side's codes on the portable path (fast_unpack empty), in a few words; "" where a
+        PTX helper unpacks them. `kvqc build` and `kvqc explain` say it, so a scheme author knows before a benchmark."""
+        if self.fast_unpack:
+            return ""
+        s = self.scheme
+        kind, bits, residual = s.codebook.kind, s.codebook.bits, s.residual.kind
+        if self.padded:
+            return "chunks padded to a power of two"
+        if self.per_channel:
+            return "per-channel scales"
+        if self.group_size:
+            return "scales per group of channels on values"
+        if residual == "qjl":
+            return "a QJL residual"
+        if kind == "fp8":
+            return "fp8 codes, which the hardware converts"
+        if residual == "sign":
+            return f"a sign residual beside {bits}-bit codes in {len(self.planes)} bit planes"
+        if kind == "uniform":
+            return f"{s.scale.kind} scales per token"
+        return f"a {2 ** bits}-entry codebook"
+
     def decode_path(self) -> str:
         """How decode reads this side, in words (`kvqc explain`)."""
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
-            how = "portable unpacking (shift, mask and select trees)"
+            how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"
         if self.per_channel:
             scales = f"per-channel scales shared by {self.token_group} tokens, factored out of the dots"
         elif self.group_dots:

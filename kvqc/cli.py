@@ -192,6 +192,14 @@ def _explain(args: argparse.Namespace) -> int:
         print("           on sm_90 with fp16 at head_dim 128: a Gluon kernel for the whole tile (_gluon_decode)")
     print(f"           reads at least {layout.bytes_per_token(d)} bytes per token and KV head: the floor `kvqc bench` "
           "measures against")
+    where = {"split": "the last of each (sequence, KV head)'s split programs to finish (a ticket per pair)",
+             "window": "_window_decode_kernel, after the quantized splits"}.get(layout.decode_merge)
+    if where:
+        print(f"           merge: {where}, where query heads per KV head x splits <= {layout.MERGE_ROWS} "
+              "(else _decode_reduce_kernel; DecodePlan.merge says which)")
+    else:
+        print("           merge: _decode_reduce_kernel, a launch of its own (" + ("one merge per part" if layout.split
+              else "QJL's second output" if layout.value.qjl else "the window's output is mapped in torch first") + ")")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
     else:

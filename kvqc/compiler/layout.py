@@ -594,6 +594,24 @@ class Layout:
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
+    # The most partial rows (query heads per KV head x splits) that decode_merge's kernel merges for its (sequence,
+    # KV head); past it _decode_reduce_kernel spreads them over a program per query head (DecodePlan.merge).
+    MERGE_ROWS = 128
+
+    @property
+    def decode_merge(self) -> str:
+        """Which kernel that decode launches anyway merges the splits' partials, where the plan's split count keeps
+        that merge short (DecodePlan.merge says per batch, `kvqc explain` says the rule): "split", the last of each
+        (sequence, KV head)'s split programs to finish, which a ticket (an atomic count per pair) names; "window",
+        `_window_decode_kernel`, which runs after the quantized splits. "" where `_decode_reduce_kernel` always
+        merges: a channel split or a QJL value (several partial outputs a row), or a window whose output the
+        wrapper maps in torch before the merge."""
+        if self.split or self.value.qjl:
+            return ""
+        if self.window:
+            return "" if self.padded or (self.value.uses_matrix and not self.rotates_output) else "window"
+        return "split"
+
     @property
     def flatten_unpacks(self) -> bool:
         """Some side's flatten takes decode's PTX lookups for an fp16 or bf16 output (FAST_UNPACK)."""

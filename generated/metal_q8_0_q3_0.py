@@ -1176,11 +1176,22 @@ def _decode_kernel(
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    ROT: tl.constexpr = min(KEY_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers stay few
+    rot = tl.arange(0, ROT)
+    rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+    for k in tl.static_range(KEY_CHUNK // ROT):
+        column = k * ROT + rot
+        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+        parity = parity ^ (parity >> 4)
+        parity = parity ^ (parity >> 2)
+        parity = parity ^ (parity >> 1)
+        rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
+
+    rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
+
+    query = rotated_0
     query_0 = query.to(DOT_DTYPE)
 
     value_c0 = tl.load(value_centroids_ptr + 0)
@@ -1543,22 +1554,6 @@ def _merge_splits(
     out = _walsh_hadamard(out, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
     out *= tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :]
     tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
-
-
-@triton.jit
-def _rotate_query_kernel(
-    query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr
-):
-    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
-    H_d as butterflies (position order is the rotated coordinates' order)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    dim = tl.arange(0, HEAD_DIM)
-    offsets = row[:, None] * HEAD_DIM + dim[None, :]
-    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
-    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
-    tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
 
 
 @triton.jit
@@ -2252,7 +2247,6 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
-    scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -2357,12 +2351,6 @@ def decode(
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
-    rotated = scratch["rotated"]
-    _launch_at(
-        launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
-        q.contiguous(), tables["key_matrix"], rotated, q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl, launch_pdl=pdl,
-    )
-    q = rotated  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap

@@ -344,9 +344,10 @@ class SideLayout:
 
     @property
     def kernel_rotates(self) -> bool:
-        """Decode rotates this side's vectors in Triton, by Walsh-Hadamard butterflies in registers:
-        `_rotate_query_kernel` the query into position order (K), `_decode_reduce_kernel` the merged output back
-        (V). Where positions are in coordinate order and no QJL projection follows (it stays in the wrapper)."""
+        """Decode rotates this side's vectors in its kernels, in registers: the split kernels the query into position
+        order (K: one dot with H_C per chunk, butterflies across chunks), the merge the merged output back (V:
+        Walsh-Hadamard butterflies). Where positions are in coordinate order and no QJL projection follows (it stays
+        in the wrapper)."""
         return self.coordinate_order and not self.qjl
 
     @property
@@ -536,12 +537,14 @@ class Layout:
 
     @property
     def rotates_query(self) -> bool:
-        """`_rotate_query_kernel` takes the query into position order (a split layout maps each part in torch)."""
+        """The split kernels take the query as given and rotate it into position order, each program its own rows
+        (kernels/fused.j2; a split layout maps each part in torch)."""
         return not self.split and self.key.kernel_rotates
 
     @property
     def rotates_output(self) -> bool:
-        """`_decode_reduce_kernel` rotates the merged output back (a split layout maps each part in torch)."""
+        """The merge (`_merge_splits` or `_decode_reduce_kernel`) rotates the merged output back (a split layout maps
+        each part in torch)."""
         return not self.split and self.value.kernel_rotates
 
     @property

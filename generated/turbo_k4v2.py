@@ -2835,8 +2835,11 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
         or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
     ):
         return None
-    geometry = _geometry(cache)
-    shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
     if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
         return None
     if out is not None and not (
@@ -2845,10 +2848,23 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     ):
         return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
-    tensors = _cache_tensors(cache)
-    addresses = [t.data_ptr() for t in tensors]
-    replay = plan.replays.get((_alignment(query, addresses), _check_scale(scale, cache.head_dim)))
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
     return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 def _reduce(
@@ -3043,7 +3059,7 @@ def _cache_state(state: dict) -> tuple:
         (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
          value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
         if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
-        for name, value in state.items() if name != "_checked"
+        for name, value in state.items() if name[0] != "_"  # the fields, not what the wrappers keep beside them
     ])
 
 

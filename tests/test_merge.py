@@ -40,7 +40,8 @@ def setup(name: str, monkeypatch, dtype=torch.float16, layers: int = 1, head_dim
     for layer in range(layers):
         torch.manual_seed(layer)
         extra = {"max_seqs": len(LENS)} if ring is not None else {}
-        cache = m.allocate_cache(len(LENS) * blocks, BLOCK_SIZE, KV_HEADS, head_dim, device=DEVICE, dtype=dtype, **extra)
+        cache = m.allocate_cache(len(LENS) * blocks, BLOCK_SIZE, KV_HEADS, head_dim, device=DEVICE, dtype=dtype,
+                                 **extra)
         key = torch.randn(slots.numel(), KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
         value = torch.randn_like(key)
         if hasattr(m, "calibrate"):
@@ -53,7 +54,7 @@ def setup(name: str, monkeypatch, dtype=torch.float16, layers: int = 1, head_dim
 
 def test_the_layout_says_which_kernel_merges():
     merges = {name: layout(name).decode_merge for name in ALL_SCHEMES}
-    assert merges["int4_token"] == "split" and merges["turbo_k4v2"] == "split" and merges["turbo_k4v2_d80_96"] == "split"
+    assert merges["int4_token"] == merges["turbo_k4v2"] == merges["turbo_k4v2_d80_96"] == "split"
     assert merges["kivi_k2v2"] == "window" and merges["turbo_k2v2_ctr_w64"] == "window"
     assert merges["turbo_outlier_2p5"] == ""  # a channel split: one merge per part, by the merge kernel
 
@@ -70,7 +71,8 @@ def test_a_kernel_decode_launches_anyway_merges_as_the_merge_kernel_does(name, m
     assert plan.merge == layout(name).decode_merge and plan.num_splits >= 3, (plan.merge, plan.num_splits)
     calls = []
     real = m._decode_reduce_kernel
-    monkeypatch.setattr(m, "_decode_reduce_kernel", type("Spy", (), {"__getitem__": lambda s, g: calls.append(g) or real[g]})())
+    spy_kernel = type("Spy", (), {"__getitem__": lambda self, grid: calls.append(grid) or real[grid]})()
+    monkeypatch.setattr(m, "_decode_reduce_kernel", spy_kernel)
     for out in (None, torch.full_like(query, float("nan"))):  # a new output, and the caller's rows written in place
         got = m.decode(query, cache, *paging, window_index=ring, plan=plan, out=out)
         assert out is None or got is out
@@ -80,7 +82,8 @@ def test_a_kernel_decode_launches_anyway_merges_as_the_merge_kernel_does(name, m
         if plan.merge == "split":
             assert not plan.scratch["counters"].any(), "a ticket counter was left nonzero"
     # An unplanned call plans with the same rule and merges in the kernel too.
-    torch.testing.assert_close(m.decode(query, cache, *paging, window_index=ring).float(), want.float(), rtol=2e-3, atol=2e-3)
+    got = m.decode(query, cache, *paging, window_index=ring)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on the GPU only")
@@ -149,3 +152,20 @@ def spy(real, calls: list):
         return real(*args)
 
     return call
+
+
+def test_a_replay_follows_a_cache_changed_in_place(monkeypatch):
+    """A replay takes a cache's addresses from what it kept at the cache's last full check (_replay_memo): a tensor
+    swapped in place (`.data =`, as an engine that moves its pool does) must be checked and read anew."""
+    m, caches, queries, paging, _ = setup("int4_token", monkeypatch, layers=2)
+    plan = m.plan_decode(caches[0], *paging, queries[0].shape[1], queries[0].dtype)
+    for q, c in zip(queries, caches):
+        m.decode(q, c, *paging, plan=plan)
+    cache = caches[1]
+    for name in ("key_codes", "value_meta"):
+        getattr(cache, name).data = getattr(caches[0], name).clone()  # another layer's bytes, at a new address
+        want = m.decode(queries[1], cache, *paging)
+        assert torch.equal(m.decode(queries[1], cache, *paging, plan=plan), want), name
+    cache.value_meta.data = cache.value_meta.data[:, :, :1]  # the wrong shape: refused, not read
+    with pytest.raises(ValueError, match="cache.value_meta: expected shape"):
+        m.decode(queries[1], cache, *paging, plan=plan)

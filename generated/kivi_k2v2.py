@@ -758,8 +758,8 @@ def _decode_kernel(
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE) or `_decode_reduce_kernel`.
-
+    unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE)
+    or `_decode_reduce_kernel`.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -774,7 +774,7 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4

@@ -147,7 +147,7 @@ _FILL_MAX_REGISTERS = None
 _SPLIT_CHUNK_MAX = 2048
 # The most partial rows (query heads per KV head x splits) a kernel decode launches anyway merges for its
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
-_MERGE_ROWS = 128
+_MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -159,6 +159,9 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
+# Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
+# launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
+_ROTATE_IN_DECODE = True
 
 
 @triton.jit
@@ -1141,15 +1144,15 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     MERGE: tl.constexpr,
+    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch: with MERGE the last of the pair's splits to finish merges them all
-    (_merge_splits), otherwise `_decode_reduce_kernel` does.
-
+    unnormalized output go to scratch, for the last split of the pair to merge (MERGE)
+    or `_decode_reduce_kernel`.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1163,9 +1166,9 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if MERGE:
-        skip = skip & (split > 0)  # split 0 always takes a ticket: an empty sequence's merge writes its zeros
+        skip = skip & (split > 0)  # split 0 takes a ticket even so: an empty sequence's merge writes its zeros
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 1
@@ -1178,18 +1181,25 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     ROT: tl.constexpr = min(KEY_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers stay few
     rot = tl.arange(0, ROT)
-    rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
+    if ROTATE:
+        rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
 
-    rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
+    else:
+        rotated_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
 
     query = rotated_0
     query_0 = query.to(DOT_DTYPE)
@@ -1471,10 +1481,8 @@ def _decode_kernel(
         mask=q_valid[:, None],
     )
     if MERGE:
-        # A ticket per program from the pair's counter: the program that takes the last one (the splits that run
-        # are those starting before the sequence's end, split 0 always) merges them all, then sets the counter
-        # back to 0 for the next launch (the next layer, a captured graph's next replay). acq_rel: this program's
-        # stores (made every thread's by the barrier) are published with its ticket, and the last one sees them all.
+        # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
+        # for the next launch; acq_rel publishes this program's stores (every thread's, after the barrier) with it.
         tl.debug_barrier()
         pair = seq * NUM_KV_HEADS + kv_head
         ran = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)
@@ -1554,6 +1562,23 @@ def _merge_splits(
     out = _walsh_hadamard(out, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
     out *= tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :]
     tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
+def _rotate_query_kernel(
+    query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr
+):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order). Where _ROTATE_IN_DECODE is off: else
+    the split kernels rotate the query themselves (ROTATE)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
+    tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
 
 
 @triton.jit
@@ -2247,6 +2272,14 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    if not _ROTATE_IN_DECODE:
+        # the query in position order
+        scratch["rotated"] = torch.empty(
+            rows,
+            head_dim,
+            dtype=torch.float32,
+            device=device,
+        )
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -2351,6 +2384,13 @@ def decode(
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
+    if not _ROTATE_IN_DECODE:  # else the split kernels rotate the query as given (ROTATE)
+        _launch_at(
+            launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+            q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
+            launch_pdl=pdl,
+        )
+        q = scratch["rotated"]  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
@@ -2397,6 +2437,7 @@ def decode(
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
         MERGE=merging,
+        ROTATE=_ROTATE_IN_DECODE,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

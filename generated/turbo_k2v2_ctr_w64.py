@@ -182,6 +182,9 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
+# Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
+# launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
+_ROTATE_IN_DECODE = False
 
 
 @triton.jit
@@ -1140,16 +1143,16 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE) or `_decode_reduce_kernel`.
-    FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles with the PTX helpers above; otherwise
-    the same values come from select trees.
-
+    unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE)
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1164,7 +1167,7 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
@@ -1176,63 +1179,85 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     ROT: tl.constexpr = min(KEY_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers stay few
     rot = tl.arange(0, ROT)
-    rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
-    rotated_1 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = 1 * KEY_CHUNK + k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_1 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_1)
-    rotated_2 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = 2 * KEY_CHUNK + k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_2 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_2)
-    rotated_3 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = 3 * KEY_CHUNK + k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_3 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_3)
-    twin = rotated_0 - rotated_1
-    rotated_0 = rotated_0 + rotated_1
-    rotated_1 = twin
-    twin = rotated_2 - rotated_3
-    rotated_2 = rotated_2 + rotated_3
-    rotated_3 = twin
-    twin = rotated_0 - rotated_2
-    rotated_0 = rotated_0 + rotated_2
-    rotated_2 = twin
-    twin = rotated_1 - rotated_3
-    rotated_1 = rotated_1 + rotated_3
-    rotated_3 = twin
+    if ROTATE:
+        rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
+        rotated_1 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = 1 * KEY_CHUNK + k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_1 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_1)
+        rotated_2 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = 2 * KEY_CHUNK + k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_2 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_2)
+        rotated_3 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = 3 * KEY_CHUNK + k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_3 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_3)
+        twin = rotated_0 - rotated_1
+        rotated_0 = rotated_0 + rotated_1
+        rotated_1 = twin
+        twin = rotated_2 - rotated_3
+        rotated_2 = rotated_2 + rotated_3
+        rotated_3 = twin
+        twin = rotated_0 - rotated_2
+        rotated_0 = rotated_0 + rotated_2
+        rotated_2 = twin
+        twin = rotated_1 - rotated_3
+        rotated_1 = rotated_1 + rotated_3
+        rotated_3 = twin
 
-    rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
-    rotated_1 *= (1.0 / HEAD_DIM ** 0.5)
-    rotated_2 *= (1.0 / HEAD_DIM ** 0.5)
-    rotated_3 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_1 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_2 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_3 *= (1.0 / HEAD_DIM ** 0.5)
+    else:
+        rotated_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
+        rotated_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
+        rotated_2 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
+        rotated_3 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
 
     query = rotated_0
     query_0 = query.to(DOT_DTYPE)
@@ -1520,6 +1545,23 @@ def _merge_splits(
     out = _walsh_hadamard(out, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
     out *= tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :]
     tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
+def _rotate_query_kernel(
+    query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr
+):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order). Where _ROTATE_IN_DECODE is off: else
+    the split kernels rotate the query themselves (ROTATE)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
+    tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
 
 
 @triton.jit
@@ -2545,6 +2587,14 @@ def _plan_decode(cache, block_tables, seq_lens, window_index, num_q_heads, dtype
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk))) + 1  # the last split: the window
     rows = batch * num_q_heads
     scratch = {}
+    if not _ROTATE_IN_DECODE:
+        # the query in position order
+        scratch["rotated"] = torch.empty(
+            rows,
+            head_dim,
+            dtype=torch.float32,
+            device=device,
+        )
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -2653,6 +2703,13 @@ def decode(
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
     q_input = q if head_dim == _pow2(head_dim) else torch.nn.functional.pad(q, (0, _pow2(head_dim) - head_dim))
+    if not _ROTATE_IN_DECODE:  # else the split kernels rotate the query as given (ROTATE)
+        _launch_at(
+            launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+            q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
+            launch_pdl=pdl,
+        )
+        q = scratch["rotated"]  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
@@ -2701,6 +2758,7 @@ def decode(
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
+        ROTATE=_ROTATE_IN_DECODE,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

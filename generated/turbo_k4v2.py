@@ -126,7 +126,7 @@ _FILL_MAX_REGISTERS = 168
 _SPLIT_CHUNK_MAX = 2048
 # The most partial rows (query heads per KV head x splits) a kernel decode launches anyway merges for its
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
-_MERGE_ROWS = 128
+_MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -139,6 +139,9 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel).
 # Set per scheme from measurements (templates/decode_tuning.json, where each entry notes its measurement).
 _LAZY_RESCALE = False
+# Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
+# launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
+_ROTATE_IN_DECODE = True
 # Decode's Gluon kernel exists: compiled CUDA with a triton that has Gluon (see _gluon_decode for where it runs).
 _GLUON = _COMPILED_CUDA and gluon is not None
 
@@ -1013,17 +1016,16 @@ def _decode_kernel(
     LAZY_RESCALE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
     MERGE: tl.constexpr,
+    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch: with MERGE the last of the pair's splits to finish merges them all
-    (_merge_splits), otherwise `_decode_reduce_kernel` does.
-    FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles with the PTX helpers above; otherwise
-    the same values come from select trees.
-
+    unnormalized output go to scratch, for the last split of the pair to merge (MERGE)
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1037,9 +1039,9 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if MERGE:
-        skip = skip & (split > 0)  # split 0 always takes a ticket: an empty sequence's merge writes its zeros
+        skip = skip & (split > 0)  # split 0 takes a ticket even so: an empty sequence's merge writes its zeros
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 2
@@ -1051,32 +1053,44 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     ROT: tl.constexpr = min(KEY_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers stay few
     rot = tl.arange(0, ROT)
-    rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
-    rotated_1 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
-    for k in tl.static_range(KEY_CHUNK // ROT):
-        column = 1 * KEY_CHUNK + k * ROT + rot
-        x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
-        x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
-        parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        rotated_1 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_1)
-    twin = rotated_0 - rotated_1
-    rotated_0 = rotated_0 + rotated_1
-    rotated_1 = twin
+    if ROTATE:
+        rotated_0 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
+        rotated_1 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
+        for k in tl.static_range(KEY_CHUNK // ROT):
+            column = 1 * KEY_CHUNK + k * ROT + rot
+            x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
+            x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
+            parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            rotated_1 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_1)
+        twin = rotated_0 - rotated_1
+        rotated_0 = rotated_0 + rotated_1
+        rotated_1 = twin
 
-    rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
-    rotated_1 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_0 *= (1.0 / HEAD_DIM ** 0.5)
+        rotated_1 *= (1.0 / HEAD_DIM ** 0.5)
+    else:
+        rotated_0 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
+        rotated_1 = tl.load(
+            query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+            mask=q_valid[:, None],
+            other=0.0,
+        )
 
     query = rotated_0
     query_0 = query.to(DOT_DTYPE)
@@ -1310,10 +1324,8 @@ def _decode_kernel(
         mask=q_valid[:, None],
     )
     if MERGE:
-        # A ticket per program from the pair's counter: the program that takes the last one (the splits that run
-        # are those starting before the sequence's end, split 0 always) merges them all, then sets the counter
-        # back to 0 for the next launch (the next layer, a captured graph's next replay). acq_rel: this program's
-        # stores (made every thread's by the barrier) are published with its ticket, and the last one sees them all.
+        # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
+        # for the next launch; acq_rel publishes this program's stores (every thread's, after the barrier) with it.
         tl.debug_barrier()
         pair = seq * NUM_KV_HEADS + kv_head
         ran = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)
@@ -1393,6 +1405,23 @@ def _merge_splits(
     out = _walsh_hadamard(out, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
     out *= tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :]
     tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
+def _rotate_query_kernel(
+    query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr
+):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order). Where _ROTATE_IN_DECODE is off: else
+    the split kernels rotate the query themselves (ROTATE)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
+    tl.store(out_ptr + offsets, _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5), mask=row[:, None] < rows)
 
 
 @triton.jit
@@ -1658,7 +1687,7 @@ if gluon is not None:
         """_merge_splits with explicit layouts: lane l holds columns 4l .. 4l + 3 of every row and split, so the sum
         over the splits stays in each thread."""
         ROWS: gl.constexpr = triton.next_power_of_2(GROUP)
-        SPLITS: gl.constexpr = max(1, 2048 // (ROWS * HEAD_DIM))  # half _merge_splits' round: 209 registers, not 252
+        SPLITS: gl.constexpr = max(1, 4096 // (ROWS * HEAD_DIM))  # as _merge_splits
         TILE: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0])  # [row, split, column]
         WEIGHTS: gl.constexpr = gl.SliceLayout(2, TILE)  # [row, split]
         ROWS_OUT: gl.constexpr = gl.SliceLayout(1, TILE)  # [row, column]
@@ -1742,6 +1771,7 @@ if gluon is not None:
         LAZY_RESCALE: gl.constexpr,
         FAST_UNPACK: gl.constexpr,
         MERGE: gl.constexpr,
+        ROTATE: gl.constexpr,
         PDL: gl.constexpr,
     ):
         """_decode_kernel's split, written with explicit layouts (Gluon) for fp16 queries at head_dim 128, GROUP <= 8.
@@ -1776,6 +1806,7 @@ if gluon is not None:
         SCORES: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[],
             block_bases=[], shape=[8, 32])
+        QUERY: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
 
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -1788,79 +1819,87 @@ if gluon is not None:
             (seq_len + num_splits - 1) // num_splits + SPLIT_CHUNK - 1
         ) // SPLIT_CHUNK * SPLIT_CHUNK
         start = split * tokens_per_split
-        skip = start >= seq_len  # the merge skips splits past the sequence's end
+        skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
         if MERGE:
-            skip = skip & (split > 0)  # as in _decode_kernel
+            skip = skip & (split > 0)  # split 0 takes a ticket even so: an empty sequence's merge writes its zeros
         if skip:
             return
         end = gl.minimum(start + tokens_per_split, seq_len)
 
         # kappa's bits (b0, t, t, b1, w, w, nibble) name byte 16t + 4w + 2 * b1 + b0 of a row and its nibble:
         # position nibble * 64 + byte.
-        # The query as given, rotated here (as _decode_kernel does, kernels/fused.j2): the signs, then H_128 =
-        # H_2 (x) H_64, each half of the row times H_64 by two mma of 32 rows whose B operand holds H_64's columns in
-        # kappa's order (the parity of row & byte), the halves combined by one butterfly.
-        ROTATE_IN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])  # [16 heads, 32 columns]
-        HADAMARD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [32 rows, 64 columns]
-        head = gl.arange(0, 16, layout=gl.SliceLayout(1, ROTATE_IN))
-        column = gl.arange(0, 32, layout=gl.SliceLayout(0, ROTATE_IN))
-        q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
-        h_row = gl.arange(0, 32, layout=gl.SliceLayout(1, HADAMARD))
-        kappa = gl.arange(0, 64, layout=gl.SliceLayout(0, HADAMARD))
-        byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
-        half_0 = gl.zeros([16, 64], gl.float32, layout=MMA)
-        x = gl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + (0 + column)[None, :],
-            mask=(head < GROUP)[:, None],
-            other=0.0,
-        )
-        x = x * gl.load(key_matrix_ptr + 0 + column)[None, :]  # the signs: exact in fp16
-        parity = (h_row)[:, None] & byte[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-        half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
-        x = gl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + (32 + column)[None, :],
-            mask=(head < GROUP)[:, None],
-            other=0.0,
-        )
-        x = x * gl.load(key_matrix_ptr + 32 + column)[None, :]  # the signs: exact in fp16
-        parity = (32 + h_row)[:, None] & byte[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-        half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
-        half_1 = gl.zeros([16, 64], gl.float32, layout=MMA)
-        x = gl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + (64 + column)[None, :],
-            mask=(head < GROUP)[:, None],
-            other=0.0,
-        )
-        x = x * gl.load(key_matrix_ptr + 64 + column)[None, :]  # the signs: exact in fp16
-        parity = (h_row)[:, None] & byte[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-        half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
-        x = gl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + (96 + column)[None, :],
-            mask=(head < GROUP)[:, None],
-            other=0.0,
-        )
-        x = x * gl.load(key_matrix_ptr + 96 + column)[None, :]  # the signs: exact in fp16
-        parity = (32 + h_row)[:, None] & byte[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-        half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
-        query_low = (half_0 + half_1) * (1.0 / HEAD_DIM ** 0.5)
-        query_high = (half_0 - half_1) * (1.0 / HEAD_DIM ** 0.5)
-        query = gl.reshape(gl.permute(gl.join(query_low, query_high), (0, 2, 1)), [16, HEAD_DIM])  # columns kappa
+        if ROTATE:
+            # The query as given, rotated here (as _decode_kernel does, kernels/fused.j2): the signs, then
+            # H_128 = H_2 (x) H_64, each half of the row times H_64 by two mma of 32 rows whose B operand holds
+            # H_64's columns in kappa's order (the parity of row & byte), the halves joined by one butterfly.
+            ROTATE_IN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])  # [16 heads, 32 columns]
+            HADAMARD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [32 rows, 64 columns]
+            head = gl.arange(0, 16, layout=gl.SliceLayout(1, ROTATE_IN))
+            column = gl.arange(0, 32, layout=gl.SliceLayout(0, ROTATE_IN))
+            q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
+            h_row = gl.arange(0, 32, layout=gl.SliceLayout(1, HADAMARD))
+            kappa = gl.arange(0, 64, layout=gl.SliceLayout(0, HADAMARD))
+            byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+            half_0 = gl.zeros([16, 64], gl.float32, layout=MMA)
+            x = gl.load(
+                query_ptr + q_row[:, None] * HEAD_DIM + (0 + column)[None, :],
+                mask=(head < GROUP)[:, None],
+                other=0.0,
+            )
+            x = x * gl.load(key_matrix_ptr + 0 + column)[None, :]  # the signs: exact in fp16
+            parity = (h_row)[:, None] & byte[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
+            half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
+            x = gl.load(
+                query_ptr + q_row[:, None] * HEAD_DIM + (32 + column)[None, :],
+                mask=(head < GROUP)[:, None],
+                other=0.0,
+            )
+            x = x * gl.load(key_matrix_ptr + 32 + column)[None, :]  # the signs: exact in fp16
+            parity = (32 + h_row)[:, None] & byte[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
+            half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
+            half_1 = gl.zeros([16, 64], gl.float32, layout=MMA)
+            x = gl.load(
+                query_ptr + q_row[:, None] * HEAD_DIM + (64 + column)[None, :],
+                mask=(head < GROUP)[:, None],
+                other=0.0,
+            )
+            x = x * gl.load(key_matrix_ptr + 64 + column)[None, :]  # the signs: exact in fp16
+            parity = (h_row)[:, None] & byte[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
+            half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
+            x = gl.load(
+                query_ptr + q_row[:, None] * HEAD_DIM + (96 + column)[None, :],
+                mask=(head < GROUP)[:, None],
+                other=0.0,
+            )
+            x = x * gl.load(key_matrix_ptr + 96 + column)[None, :]  # the signs: exact in fp16
+            parity = (32 + h_row)[:, None] & byte[None, :]
+            parity = parity ^ (parity >> 4)
+            parity = parity ^ (parity >> 2)
+            parity = parity ^ (parity >> 1)
+            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
+            half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
+            query_low = (half_0 + half_1) * (1.0 / HEAD_DIM ** 0.5)
+            query_high = (half_0 - half_1) * (1.0 / HEAD_DIM ** 0.5)
+            query = gl.reshape(gl.permute(gl.join(query_low, query_high), (0, 2, 1)), [16, HEAD_DIM])  # columns kappa
+        else:  # _rotate_query_kernel's float32 rows
+            head = gl.arange(0, 16, layout=gl.SliceLayout(1, QUERY))
+            kappa = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QUERY))
+            byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+            q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
+            query = gl.load(query_ptr + q_row[:, None] * HEAD_DIM + ((kappa >> 6) * 64 + byte)[None, :],
+                            mask=(head < GROUP)[:, None], other=0.0)
         query = gl.convert_layout(query.to(gl.float16), A_OPERAND)
 
         key_lut_0 = gl.load(key_lut_ptr + 0)
@@ -1948,10 +1987,8 @@ if gluon is not None:
         position = 32 * ((o >> 1) & 3) + 4 * (nu & 7) + byte
         gl.store(partial_out_ptr + part[None, :] * HEAD_DIM + position[:, None], acc, mask=(head < GROUP)[None, :])
         if MERGE:
-            # A ticket per program from the pair's counter: the program that takes the last one (the splits that run
-            # are those starting before the sequence's end, split 0 always) merges them all, then sets the counter
-            # back to 0 for the next launch (the next layer, a captured graph's next replay). acq_rel: this program's
-            # stores (made every thread's by the barrier) are published with its ticket, and the last one sees them all.
+            # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
+            # for the next launch; acq_rel publishes this program's stores (every thread's, after the barrier) with it.
             gl.thread_barrier()
             pair = seq * NUM_KV_HEADS + kv_head
             ran = gl.maximum(gl.cdiv(seq_len, gl.maximum(tokens_per_split, 1)), 1)
@@ -2642,6 +2679,14 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    if not _ROTATE_IN_DECODE:
+        # the query in position order
+        scratch["rotated"] = torch.empty(
+            rows,
+            head_dim,
+            dtype=torch.float32,
+            device=device,
+        )
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -2746,6 +2791,13 @@ def decode(
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
+    if not _ROTATE_IN_DECODE:  # else the split kernels rotate the query as given (ROTATE)
+        _launch_at(
+            launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+            q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
+            launch_pdl=pdl,
+        )
+        q = scratch["rotated"]  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
@@ -2800,6 +2852,7 @@ def decode(
         LAZY_RESCALE=_LAZY_RESCALE,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         MERGE=merging,
+        ROTATE=_ROTATE_IN_DECODE,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

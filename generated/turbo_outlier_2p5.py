@@ -1594,10 +1594,9 @@ def _decode_kernel(
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
-    FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles with the PTX helpers above; otherwise
-    the same values come from select trees.
-
+    unnormalized output go to scratch, for the merge
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1611,7 +1610,7 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if skip:
         return
     KEY_OUTLIER_CHUNK: tl.constexpr = KEY_OUTLIER_DIM // 2

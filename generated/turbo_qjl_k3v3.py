@@ -152,7 +152,7 @@ _FILL_MAX_REGISTERS = None
 _SPLIT_CHUNK_MAX = 2048
 # The most partial rows (query heads per KV head x splits) a kernel decode launches anyway merges for its
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
-_MERGE_ROWS = 128
+_MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -2304,9 +2304,8 @@ def _decode_kernel(
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch: with MERGE the last of the pair's splits to finish merges them all
-    (_merge_splits), otherwise `_decode_reduce_kernel` does.
-
+    unnormalized output go to scratch, for the last split of the pair to merge (MERGE)
+    or `_decode_reduce_kernel`.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -2320,9 +2319,9 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    skip = start >= seq_len  # the merge skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
     if MERGE:
-        skip = skip & (split > 0)  # split 0 always takes a ticket: an empty sequence's merge writes its zeros
+        skip = skip & (split > 0)  # split 0 takes a ticket even so: an empty sequence's merge writes its zeros
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
@@ -2815,10 +2814,8 @@ def _decode_kernel(
         mask=q_valid[:, None],
     )
     if MERGE:
-        # A ticket per program from the pair's counter: the program that takes the last one (the splits that run
-        # are those starting before the sequence's end, split 0 always) merges them all, then sets the counter
-        # back to 0 for the next launch (the next layer, a captured graph's next replay). acq_rel: this program's
-        # stores (made every thread's by the barrier) are published with its ticket, and the last one sees them all.
+        # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
+        # for the next launch; acq_rel publishes this program's stores (every thread's, after the barrier) with it.
         tl.debug_barrier()
         pair = seq * NUM_KV_HEADS + kv_head
         ran = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)

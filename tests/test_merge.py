@@ -169,3 +169,22 @@ def test_a_replay_follows_a_cache_changed_in_place(monkeypatch):
     cache.value_meta.data = cache.value_meta.data[:, :, :1]  # the wrong shape: refused, not read
     with pytest.raises(ValueError, match="cache.value_meta: expected shape"):
         m.decode(queries[1], cache, *paging, plan=plan)
+
+
+@pytest.mark.parametrize("name", ["turbo_k4v2", "turbo_k2v2_ctr_w64", "sign1_window", "metal_q8_0_q3_0"])
+def test_the_split_kernels_rotate_the_query_as_the_rotation_kernel_does(name, monkeypatch):
+    """With ROTATE the split kernels take the query as given and rotate it themselves; without, _rotate_query_kernel
+    does it first, in a launch of its own (the tuning table's `rotate_query_apart`, `kvqc explain`). Both decode the
+    same, and a plan's replay launches the rotation kernel only without."""
+    m, caches, queries, paging, ring = setup(name, monkeypatch, dtype=torch.float32, layers=2)
+    outs, launched = {}, {}
+    for rotate in (True, False):
+        monkeypatch.setattr(m, "_ROTATE_IN_DECODE", rotate)
+        plan = m.plan_decode(caches[0], *paging, queries[0].shape[1], queries[0].dtype, window_index=ring)
+        outs[rotate] = [m.decode(q, c, *paging, window_index=ring, plan=plan) for q, c in zip(queries, caches)]
+        (replay,) = plan.replays.values()
+        launched[rotate] = [kernel.__name__ for _, kernel, *_ in replay.launches]
+        assert ("rotated" in plan.scratch) != rotate
+    assert "_rotate_query_kernel" in launched[False] and "_rotate_query_kernel" not in launched[True]
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -83,6 +83,9 @@ _FILL_BLOCK_T = 32
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
+# The most partial rows (query heads per KV head x splits) a kernel decode launches anyway merges for its
+# (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
+_MERGE_ROWS = 128
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -754,7 +757,8 @@ def _decode_kernel(
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`.
+    unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE)
+    or `_decode_reduce_kernel`.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -769,8 +773,9 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    if start >= seq_len:
-        return  # the reduce kernel skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
+    if skip:
+        return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
@@ -1150,6 +1155,64 @@ def _decode_kernel(
 
 
 @triton.jit
+def _merge_splits(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    first_row,
+    seq_len,
+    num_splits,
+    GROUP: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """_decode_reduce_kernel's merge for the GROUP query rows from first_row (one sequence's, one KV head's):
+    each split's partial (WIDTH columns) weighted by exp2(its max - the row's max), over the weighted sum, splits
+    that never ran (past the sequence's end) left out; written to out_ptr in its dtype.
+
+    A few splits at a time, rescaling what is merged so far when a split raises a row's max (as the splits do
+    with tiles), so the tile in registers has the same size at any split count. The loads bypass L1 (.cg): the
+    partials come from other programs, published by the ticket's release (or by the kernel before this one).
+    """
+    ROWS: tl.constexpr = triton.next_power_of_2(GROUP)
+    SPLITS: tl.constexpr = max(1, 4096 // (ROWS * WIDTH))  # about 4096 partial values a round
+    row = tl.arange(0, ROWS)
+    q_row = first_row + row
+    real = row < GROUP
+    dim = tl.arange(0, WIDTH)
+    # Which splits ran: as _decode_kernel splits the sequence.
+    quantized = tl.maximum(seq_len - 128, 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(quantized, num_splits - 1), SPLIT_CHUNK) * SPLIT_CHUNK
+    running_max = tl.full([ROWS], -1.0e30, tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, WIDTH], tl.float32)
+    for first in range(0, num_splits, SPLITS):
+        split = first + tl.arange(0, SPLITS)
+        # The last split is the window's, which always runs.
+        has = (split < num_splits - 1) & (split * tokens_per_split < quantized) | (split == num_splits - 1)
+        mask = real[:, None] & has[None, :]
+        part = q_row[:, None] * num_splits + split[None, :]
+        split_max = tl.load(partial_max_ptr + part, mask=mask, other=-1.0e30, cache_modifier=".cg")
+        split_sum = tl.load(partial_sum_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        tile = tl.load(
+            partial_out_ptr + part[:, :, None] * WIDTH + dim[None, None, :],
+            mask=mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(running_max, tl.max(split_max, axis=1))
+        alpha = tl.exp2(running_max - new_max)
+        weight = tl.where(mask, tl.exp2(split_max - new_max[:, None]), 0.0)
+        total = total * alpha + tl.sum(split_sum * weight, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(tile * weight[:, :, None], axis=1)
+        running_max = new_max
+    # An empty sequence has total 0: its output is zeros rather than 0/0.
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
 def _decode_reduce_kernel(
     partial_out_ptr,
     partial_max_ptr,
@@ -1435,6 +1498,7 @@ def _window_decode_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    out_ptr,
     sm_scale_log2,
     num_splits,
     max_seqs,
@@ -1446,10 +1510,13 @@ def _window_decode_kernel(
     WINDOW: tl.constexpr,
     BLOCK_W: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     """The last split of decode: one sequence's GROUP query heads over its last WINDOW tokens, read unquantized
     from the ring in the input basis.
-    The wrapper moves its output to position order."""
+    With MERGE it then merges the sequence's splits for this KV head's query heads: _decode_kernel's ran before
+    it, on the same stream."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -1486,6 +1553,20 @@ def _window_decode_kernel(
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * D_PAD + dim[None, :], acc, mask=q_valid[:, None])
+    if MERGE:
+        tl.debug_barrier()  # this program's partial, stored by all its threads, before any thread reads it back
+        _merge_splits(
+            partial_out_ptr,
+            partial_max_ptr,
+            partial_sum_ptr,
+            out_ptr,
+            seq * NUM_KV_HEADS * GROUP + kv_head * GROUP,
+            seq_len,
+            num_splits,
+            GROUP,
+            D_PAD,
+            SPLIT_CHUNK,
+        )
 
 
 # ---------------------------------------------------------------- launching
@@ -2139,6 +2220,7 @@ class DecodePlan:
     split_chunk: int
     num_splits: int
     pdl: bool
+    merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
     replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
@@ -2210,6 +2292,10 @@ def _plan_decode(cache, block_tables, seq_lens, window_index, num_q_heads, dtype
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
+    # A kernel decode launches anyway merges the splits where that is short: its program per (sequence, KV head)
+    # reads the pair's group * num_splits partial rows, where _decode_reduce_kernel spreads them over a program
+    # per query head (templates/kernels/merge.py.j2).
+    merge = "window" if num_q_heads // cache.num_kv_heads * num_splits <= _MERGE_ROWS else "reduce"
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, window_index=window_index, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -2217,6 +2303,7 @@ def _plan_decode(cache, block_tables, seq_lens, window_index, num_q_heads, dtype
         split_chunk=split_chunk,
         num_splits=num_splits,
         pdl=_dependent_launch(device),
+        merge=merge,
         scratch=scratch,
         launches={},
         replays={},
@@ -2314,6 +2401,11 @@ def decode(
     num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
+    merging, merged = plan.merge != "reduce", partial_out  # a kernel that merges (MERGE) writes `merged`
+    if merging and target is not None and target.is_contiguous():
+        merged = target.view(batch * num_q_heads, head_dim)  # the caller's rows, written in place
+    elif merging:
+        merged = torch.empty(batch * num_q_heads, head_dim, dtype=query.dtype, device=device)
     _launch_at(
         launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits - 1),
         q,
@@ -2358,6 +2450,7 @@ def decode(
         partial_out,
         partial_max,
         partial_sum,
+        merged,
         scale * 1.4426950408889634,
         num_splits,
         cache.max_seqs,
@@ -2369,17 +2462,22 @@ def decode(
         WINDOW=WINDOW,
         BLOCK_W=max(16, min(64, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
+        SPLIT_CHUNK=plan.split_chunk,
+        MERGE=merging,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
-    out = reduce(partial_out, dtype=query.dtype)  # nothing follows: the merge writes the output's dtype
+    # nothing follows: the merge writes the output's dtype
+    out = merged if merging else reduce(partial_out, dtype=query.dtype)
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
     if taking:
         kept = (block_tables, seq_lens, window_index, *scratch.values())
         plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
-    return out if target is None else target.copy_(out)
+    if target is None:
+        return out
+    return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
 
 
 def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, window_index, scale, out):
@@ -2393,9 +2491,12 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
         or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
     ):
         return None
-    geometry = _geometry(cache)
-    shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
-    if geometry != plan.geometry or query.shape != shape or query.device != geometry[-1]:
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
         return None
     if out is not None and not (
         isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
@@ -2403,10 +2504,23 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     ):
         return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
-    tensors = _cache_tensors(cache)
-    addresses = [t.data_ptr() for t in tensors]
-    replay = plan.replays.get((_alignment(query, addresses), _check_scale(scale, cache.head_dim)))
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
     return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 def _reduce(
@@ -2585,7 +2699,7 @@ def _cache_state(state: dict) -> tuple:
         (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
          value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
         if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
-        for name, value in state.items() if name != "_checked"
+        for name, value in state.items() if name[0] != "_"  # the fields, not what the wrappers keep beside them
     ])
 
 

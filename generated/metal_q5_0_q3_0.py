@@ -140,6 +140,9 @@ _FILL_MAX_REGISTERS = None
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
+# The most partial rows (query heads per KV head x splits) a kernel decode launches anyway merges for its
+# (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
+_MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -151,6 +154,9 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
+# Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
+# launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
+_ROTATE_IN_DECODE = False
 
 
 @triton.jit
@@ -1859,6 +1865,8 @@ def _decode_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    counters_ptr,
+    out_ptr,
     sm_scale_log2,
     num_blocks,
     stride_block_table,
@@ -1877,14 +1885,17 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    MERGE: tl.constexpr,
+    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
-    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
+    unnormalized output go to scratch, for the last split of the pair to merge (MERGE)
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1898,8 +1909,11 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    if start >= seq_len:
-        return  # the reduce kernel skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
+    if MERGE:
+        skip = skip & (split > 0)  # split 0 takes a ticket even so: an empty sequence's merge writes its zeros
+    if skip:
+        return
     # key: columns in runs of its scale groups, each head_dim's own (group_dots)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
@@ -2472,6 +2486,88 @@ def _decode_kernel(
         acc_p3,
         mask=q_valid[:, None],
     )
+    if MERGE:
+        # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
+        # for the next launch; acq_rel publishes this program's stores (every thread's, after the barrier) with it.
+        tl.debug_barrier()
+        pair = seq * NUM_KV_HEADS + kv_head
+        ran = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)
+        if tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu") == ran - 1:
+            _merge_splits(
+                partial_out_ptr,
+                partial_max_ptr,
+                partial_sum_ptr,
+                out_ptr,
+                value_matrix_ptr,
+                seq * NUM_KV_HEADS * GROUP + kv_head * GROUP,
+                seq_len,
+                num_splits,
+                GROUP,
+                HEAD_DIM,
+                SPLIT_CHUNK,
+            )
+            tl.store(counters_ptr + pair, 0)
+
+
+@triton.jit
+def _merge_splits(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    value_matrix_ptr,
+    first_row,
+    seq_len,
+    num_splits,
+    GROUP: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """_decode_reduce_kernel's merge for the GROUP query rows from first_row (one sequence's, one KV head's):
+    each split's partial (WIDTH columns) weighted by exp2(its max - the row's max), over the weighted sum, splits
+    that never ran (past the sequence's end) left out, then rotated back; written to out_ptr in its dtype.
+
+    A few splits at a time, rescaling what is merged so far when a split raises a row's max (as the splits do
+    with tiles), so the tile in registers has the same size at any split count. The loads bypass L1 (.cg): the
+    partials come from other programs, published by the ticket's release (or by the kernel before this one).
+    """
+    ROWS: tl.constexpr = triton.next_power_of_2(GROUP)
+    SPLITS: tl.constexpr = max(1, 4096 // (ROWS * WIDTH))  # about 4096 partial values a round
+    HEAD_DIM: tl.constexpr = WIDTH  # a rotated output is not padded
+    row = tl.arange(0, ROWS)
+    q_row = first_row + row
+    real = row < GROUP
+    dim = tl.arange(0, WIDTH)
+    # Which splits ran: as _decode_kernel splits the sequence.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
+    running_max = tl.full([ROWS], -1.0e30, tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, WIDTH], tl.float32)
+    for first in range(0, num_splits, SPLITS):
+        split = first + tl.arange(0, SPLITS)
+        has = (split < num_splits) & (split * tokens_per_split < seq_len)
+        mask = real[:, None] & has[None, :]
+        part = q_row[:, None] * num_splits + split[None, :]
+        split_max = tl.load(partial_max_ptr + part, mask=mask, other=-1.0e30, cache_modifier=".cg")
+        split_sum = tl.load(partial_sum_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        tile = tl.load(
+            partial_out_ptr + part[:, :, None] * WIDTH + dim[None, None, :],
+            mask=mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(running_max, tl.max(split_max, axis=1))
+        alpha = tl.exp2(running_max - new_max)
+        weight = tl.where(mask, tl.exp2(split_max - new_max[:, None]), 0.0)
+        total = total * alpha + tl.sum(split_sum * weight, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(tile * weight[:, :, None], axis=1)
+        running_max = new_max
+    # An empty sequence has total 0: its output is zeros rather than 0/0.
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    # Position order is the rotated coordinates' order: H_d by butterflies over the whole rows, then the signs.
+    out = _walsh_hadamard(out, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
+    out *= tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :]
+    tl.store(out_ptr + q_row[:, None] * WIDTH + dim[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
 
 
 @triton.jit
@@ -2479,7 +2575,8 @@ def _rotate_query_kernel(
     query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr
 ):
     """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
-    H_d as butterflies (position order is the rotated coordinates' order)."""
+    H_d as butterflies (position order is the rotated coordinates' order). Where _ROTATE_IN_DECODE is off: else
+    the split kernels rotate the query themselves (ROTATE)."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # as in _decode_kernel
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -3126,6 +3223,7 @@ class DecodePlan:
     split_chunk: int
     num_splits: int
     pdl: bool
+    merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
     replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
@@ -3190,10 +3288,23 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
-    scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
+    if not _ROTATE_IN_DECODE:
+        # the query in position order
+        scratch["rotated"] = torch.empty(
+            rows,
+            head_dim,
+            dtype=torch.float32,
+            device=device,
+        )
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
+    # A kernel decode launches anyway merges the splits where that is short: its program per (sequence, KV head)
+    # reads the pair's group * num_splits partial rows, where _decode_reduce_kernel spreads them over a program
+    # per query head (templates/kernels/merge.py.j2).
+    merge = "split" if num_q_heads // cache.num_kv_heads * num_splits <= _MERGE_ROWS else "reduce"
+    if merge == "split":  # each pair's ticket counter: zeroed once here, back to zero after every launch
+        scratch["counters"] = torch.zeros(batch * cache.num_kv_heads, dtype=torch.int32, device=device)
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -3201,6 +3312,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         split_chunk=split_chunk,
         num_splits=num_splits,
         pdl=_dependent_launch(device),
+        merge=merge,
         scratch=scratch,
         launches={},
         replays={},
@@ -3288,18 +3400,24 @@ def decode(
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
-    rotated = scratch["rotated"]
-    _launch_at(
-        launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
-        q.contiguous(), tables["key_matrix"], rotated, q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl, launch_pdl=pdl,
-    )
-    q = rotated  # in position order
+    if not _ROTATE_IN_DECODE:  # else the split kernels rotate the query as given (ROTATE)
+        _launch_at(
+            launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+            q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
+            launch_pdl=pdl,
+        )
+        q = scratch["rotated"]  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
     num_splits = plan.num_splits
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
+    merging, merged = plan.merge != "reduce", partial_out  # a kernel that merges (MERGE) writes `merged`
+    if merging and target is not None and target.is_contiguous():
+        merged = target.view(batch * num_q_heads, head_dim)  # the caller's rows, written in place
+    elif merging:
+        merged = torch.empty(batch * num_q_heads, head_dim, dtype=query.dtype, device=device)
     _launch_at(
         launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits),
         q,
@@ -3317,6 +3435,8 @@ def decode(
         partial_out,
         partial_max,
         partial_sum,
+        scratch.get("counters", partial_max),  # read only with MERGE
+        merged,
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         cache.num_blocks,
         block_tables.stride(0),
@@ -3334,6 +3454,8 @@ def decode(
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
+        MERGE=merging,
+        ROTATE=_ROTATE_IN_DECODE,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,
@@ -3345,7 +3467,7 @@ def decode(
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     # the merge rotates back and casts
-    out = reduce(
+    out = merged if merging else reduce(
         partial_out,
         value_matrix=tables["value_matrix"],
         dtype=query.dtype,
@@ -3354,7 +3476,9 @@ def decode(
     if taking:
         kept = (block_tables, seq_lens, *scratch.values(), *tables.values())
         plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
-    return out if target is None else target.copy_(out)
+    if target is None:
+        return out
+    return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
 
 
 def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
@@ -3367,9 +3491,12 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
         or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
     ):
         return None
-    geometry = _geometry(cache)
-    shape = (plan.block_tables.shape[0], plan.num_q_heads, cache.head_dim)
-    if geometry != plan.geometry or query.shape != shape or query.device != geometry[-1]:
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
         return None
     if out is not None and not (
         isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
@@ -3377,10 +3504,23 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     ):
         return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
-    tensors = _cache_tensors(cache)
-    addresses = [t.data_ptr() for t in tensors]
-    replay = plan.replays.get((_alignment(query, addresses), _check_scale(scale, cache.head_dim)))
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
     return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 def _reduce(
@@ -3559,7 +3699,7 @@ def _cache_state(state: dict) -> tuple:
         (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
          value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
         if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
-        for name, value in state.items() if name != "_checked"
+        for name, value in state.items() if name[0] != "_"  # the fields, not what the wrappers keep beside them
     ])
 
 

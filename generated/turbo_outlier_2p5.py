@@ -1593,8 +1593,9 @@ def _decode_kernel(
 
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
-    unnormalized output go to scratch for `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code
-    registers into fp16 tiles with the PTX helpers above; otherwise the same values come from select trees.
+    unnormalized output go to scratch, for the merge
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -1608,8 +1609,9 @@ def _decode_kernel(
     # batch alone, so one launch (and one captured CUDA graph) serves any lengths up to the block tables' capacity.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK
     start = split * tokens_per_split
-    if start >= seq_len:
-        return  # the reduce kernel skips splits past the sequence's end
+    skip = start >= seq_len  # past the sequence's end: the merge leaves this split out
+    if skip:
+        return
     KEY_OUTLIER_CHUNK: tl.constexpr = KEY_OUTLIER_DIM // 2
     key_outlier_chunk = tl.arange(0, KEY_OUTLIER_CHUNK)
     KEY_CHUNK: tl.constexpr = KEY_DIM // 4
@@ -2912,6 +2914,7 @@ class DecodePlan:
     split_chunk: int
     num_splits: int
     pdl: bool
+    merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
 
@@ -2981,6 +2984,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     scratch["value"] = torch.empty(rows, num_splits, width, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
+    merge = "reduce"
     return DecodePlan(
         block_tables=block_tables, seq_lens=seq_lens, num_q_heads=num_q_heads, dtype=dtype,
         geometry=_geometry(cache), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -2988,6 +2992,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         split_chunk=split_chunk,
         num_splits=num_splits,
         pdl=_dependent_launch(device),
+        merge=merge,
         scratch=scratch,
         launches={},
     )
@@ -3157,7 +3162,9 @@ def decode(
         _channels(cache, "value").repeat_interleave(group, dim=0)[None],
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
-    return out if target is None else target.copy_(out)
+    if target is None:
+        return out
+    return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
 
 
 def _reduce(
@@ -3336,7 +3343,7 @@ def _cache_state(state: dict) -> tuple:
         (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
          value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
         if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
-        for name, value in state.items() if name != "_checked"
+        for name, value in state.items() if name[0] != "_"  # the fields, not what the wrappers keep beside them
     ])
 
 

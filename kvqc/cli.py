@@ -122,7 +122,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from kvqc.compiler.codegen import describe
+    from kvqc.compiler.codegen import decode_tuning, describe
     from kvqc.compiler.layout import plan
 
     path = Path(args.scheme)
@@ -194,6 +194,10 @@ def _explain(args: argparse.Namespace) -> int:
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     print("           the query is rotated once and the output rotated back once")
+    if layout.rotates_query:
+        apart = not decode_tuning(scheme.name)["rotate_in_decode"]
+        print("           the query: rotated " + ("by _rotate_query_kernel, a launch of its own (measured faster here)"
+                                              if apart else "by each split program itself, no launch of its own"))
     if layout.split:
         print("           a split side: scores summed over its two parts, one output per part, put back in channel order")
     if scheme.window:
@@ -205,6 +209,14 @@ def _explain(args: argparse.Namespace) -> int:
         print("           on sm_90 with fp16 at head_dim 128: a Gluon kernel for the whole tile (_gluon_decode)")
     print(f"           reads at least {layout.bytes_per_token(d)} bytes per token and KV head: the floor `kvqc bench` "
           "measures against")
+    where = {"split": "the last of each (sequence, KV head)'s split programs to finish (a ticket per pair)",
+             "window": "_window_decode_kernel, after the quantized splits"}.get(layout.decode_merge)
+    if where:
+        print(f"           merge: {where}, where query heads per KV head x splits <= {layout.MERGE_ROWS[layout.decode_merge]} "
+              "(else _decode_reduce_kernel; DecodePlan.merge says which)")
+    else:
+        print("           merge: _decode_reduce_kernel, a launch of its own (" + ("one merge per part" if layout.split
+              else "QJL's second output" if layout.value.qjl else "the window's output is mapped in torch first") + ")")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
     else:

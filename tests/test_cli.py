@@ -737,6 +737,7 @@ def test_explain_turbo_k4v2(capsys):
     assert rows["value_meta"][5] == "1]"
     assert "bytes per token and KV head: 102 (fp16 K+V: 512), 5.02x smaller" in out
     assert "kernels:" in out and "fill" in out and "flatten" in out and "decode" in out
+    assert "merge: the last of each (sequence, KV head)'s split programs to finish (a ticket per pair)" in out
 
 
 def test_build_says_which_sides_decode_on_the_portable_path(tmp_path, capsys):

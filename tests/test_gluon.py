@@ -42,14 +42,14 @@ for name, block_size, layout in json.loads(sys.argv[1]):
     strides = dict(HEAD_STRIDE=block_size, TOKEN_STRIDE=1) if layout == "bhsd" else dict(HEAD_STRIDE=1, TOKEN_STRIDE=8)
     constexprs = dict(NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=block_size, **strides, BLOCK_N=32,
                       DOT_DTYPE=tl.float16, DOT_PRECISION="tf32x3", LAZY_RESCALE=False,
-                      FAST_UNPACK=True, PDL=True)
+                      FAST_UNPACK=True, MERGE=True, ROTATE=True, PDL=True)
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            signature[arg] = ("*i32" if arg.split("_")[-2] in ("lut", "tables", "lens") else "*u8" if "codes" in arg
-                              else "*fp16" if "meta" in arg or "matrix" in arg else "*fp32")
+            signature[arg] = ("*i32" if arg.split("_")[-2] in ("lut", "tables", "lens", "counters") else "*u8" if "codes" in arg
+                              else "*fp16" if "meta" in arg or "matrix" in arg or arg == "out_ptr" else "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "fp32" if arg == "sm_scale_log2" else "i32"

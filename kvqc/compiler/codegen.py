@@ -102,6 +102,7 @@ def decode_tuning(name: str) -> dict:
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])
+    rotate_apart = name in table.get("rotate_query_apart", [])
     fill_registers = table.get("fill_registers", {}).get(name)
     fill_registers = None if fill_registers is None else int(fill_registers)
     # Looping fill programs per SM: the table's, else as many as fit under the cap (65536 registers over 4 warps of
@@ -110,7 +111,7 @@ def decode_tuning(name: str) -> dict:
     if fill_programs is None:
         fill_programs = 65536 // (fill_registers * 128) if fill_registers else 8
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
-            "fill_registers": fill_registers, "fill_programs": int(fill_programs)}
+            "rotate_in_decode": not rotate_apart, "fill_registers": fill_registers, "fill_programs": int(fill_programs)}
 
 
 def origin(scheme: Scheme) -> str | None:

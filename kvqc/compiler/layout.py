@@ -344,9 +344,10 @@ class SideLayout:
 
     @property
     def kernel_rotates(self) -> bool:
-        """Decode rotates this side's vectors in Triton, by Walsh-Hadamard butterflies in registers:
-        `_rotate_query_kernel` the query into position order (K), `_decode_reduce_kernel` the merged output back
-        (V). Where positions are in coordinate order and no QJL projection follows (it stays in the wrapper)."""
+        """Decode rotates this side's vectors in its kernels, in registers: the split kernels the query into position
+        order (K: one dot with H_C per chunk, butterflies across chunks), the merge the merged output back (V:
+        Walsh-Hadamard butterflies). Where positions are in coordinate order and no QJL projection follows (it stays
+        in the wrapper)."""
         return self.coordinate_order and not self.qjl
 
     @property
@@ -861,12 +862,14 @@ class Layout:
 
     @property
     def rotates_query(self) -> bool:
-        """`_rotate_query_kernel` takes the query into position order (a split layout maps each part in torch)."""
+        """The split kernels take the query as given and rotate it into position order, each program its own rows
+        (kernels/fused.j2; a split layout maps each part in torch)."""
         return not self.split and self.key.kernel_rotates
 
     @property
     def rotates_output(self) -> bool:
-        """`_decode_reduce_kernel` rotates the merged output back (a split layout maps each part in torch)."""
+        """The merge (`_merge_splits` or `_decode_reduce_kernel`) rotates the merged output back (a split layout maps
+        each part in torch)."""
         return not self.split and self.value.kernel_rotates
 
     @property
@@ -918,6 +921,27 @@ class Layout:
         or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
+
+    # The most partial rows (query heads per KV head x splits) that decode_merge's kernel merges for its (sequence,
+    # KV head), a few thousand values a round; past it _decode_reduce_kernel spreads them over a program per query
+    # head (DecodePlan.merge). H100, CUDA-graph decode, 32 query / 8 KV heads, 8k, fused against the merge kernel:
+    # a split program's merge, int4_token 64 rows (batch 8) 0.0385 / 0.0388 ms, 128 rows (batch 4) 0.0236 / 0.0231,
+    # 512 (batch 1) 0.0194 / 0.0117; the window kernel's (4 warps), 68 rows (batch 8) as fast as the merge kernel.
+    MERGE_ROWS = {"split": 64, "window": 128}
+
+    @property
+    def decode_merge(self) -> str:
+        """Which kernel that decode launches anyway merges the splits' partials, where the plan's split count keeps
+        that merge short (DecodePlan.merge says per batch, `kvqc explain` says the rule): "split", the last of each
+        (sequence, KV head)'s split programs to finish, which a ticket (an atomic count per pair) names; "window",
+        `_window_decode_kernel`, which runs after the quantized splits. "" where `_decode_reduce_kernel` always
+        merges: a channel split or a QJL value (several partial outputs a row), or a window whose output the
+        wrapper maps in torch before the merge."""
+        if self.split or self.value.qjl:
+            return ""
+        if self.window:
+            return "" if self.padded or (self.value.uses_matrix and not self.rotates_output) else "window"
+        return "split"
 
     @property
     def decode_unpacks(self) -> bool:

@@ -38,7 +38,7 @@ def _cache_state(state: dict) -> tuple:
         (value.data_ptr(), value.untyped_storage().nbytes(), value.storage_offset(), value.shape, value.stride(),
          value.dtype, value.device, _contents(value) if name.endswith("_channels") else 0)
         if isinstance(value, torch.Tensor) else (type(value), value)  # another type compares unequal, unlooked-at
-        for name, value in state.items() if name != "_checked"
+        for name, value in state.items() if name[0] != "_"  # the fields, not what the wrappers keep beside them
     ])
 
 

@@ -298,6 +298,11 @@ class SideLayout:
         return tuple(out)
 
     @property
+    def pointers(self) -> tuple[str, ...]:
+        """The kernel parameters for this part's cache tensors and constant tables, in order (macros/args.j2)."""
+        return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
+
+    @property
     def rotated(self) -> bool:
         return self.scheme.rotation.kind == "hadamard"
 
@@ -909,6 +914,29 @@ class Layout:
     def dense_matrix(self) -> bool:
         """Some side's fill and flatten take the d x d matrix IN_BLOCK columns at a time (an IN_BLOCK argument)."""
         return any(side.dense_matrix for side in self.sides)
+
+    # What the kernel templates (templates/kernels/) list in their signatures: decided here, placed there.
+    @property
+    def width_params(self) -> tuple[str, ...]:
+        """The kernels' constexprs for widths besides HEAD_DIM: HEAD_PAD for a padded head, then each split part's
+        width, first channel and padded width (part_constexprs, macros/args.j2 part_params)."""
+        return (("HEAD_PAD",) if self.padded else ()) + tuple(name for name, _ in self.part_constexprs)
+
+    @property
+    def fill_pointers(self) -> tuple[str, ...]:
+        """_fill_kernel's parameters after the rows and slots: the key mean, then every part's tensors and tables."""
+        mean = ("key_mean_ptr",) if self.centered else ()
+        return mean + tuple(pointer for side in self.sides for pointer in side.pointers)
+
+    @property
+    def flatten_pointers(self) -> tuple[str, ...]:
+        """_flatten_kernel's parameters after the output rows and their sequences: every part's tensors and tables
+        (with the PTX lookups' codebook words where flatten takes them), the ring rows, the key mean."""
+        out = []
+        for side in self.sides:
+            out += side.pointers + ((f"{side.name}_lut_ptr",) if side.flatten_fast and side.lut_words else ())
+        out += ["window_index_ptr", "key_window_ptr", "value_window_ptr", "max_seqs"] if self.window else []
+        return tuple(out + (["key_mean_ptr"] if self.centered else []))
 
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""

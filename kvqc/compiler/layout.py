@@ -302,6 +302,82 @@ class SideLayout:
         """The kernel parameters for this part's cache tensors and constant tables, in order (macros/args.j2)."""
         return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
 
+    # What macros/codes.j2 substitutes to unpack and pack the bit planes (see the module docstring on positions).
+    @property
+    def plane_ranges(self) -> tuple[tuple[int, int], ...]:
+        """(plane index, byte range) of every chunk-wide byte range of every plane, in load order: each is one
+        load `<side>_bytes_<plane>_<range>`."""
+        return tuple((i, r) for i, plane in enumerate(self.planes) for r in range(self.ranges(plane)))
+
+    def chunk_code(self, c: int) -> tuple[str, ...]:
+        """What `code` is set to, line by line, to gather chunk c's codes from the loaded bytes: the first plane's
+        field, then each further plane's field or'ed in above the bits before it."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            field, loaded = c // ranges, f"{self.name}_bytes_{i}_{c % ranges}"
+            bits = f"({loaded} >> {field * plane.width})" if field else loaded
+            bits += f" & {2 ** plane.width - 1}" if plane.width < 8 else ""
+            out.append(f"code | (({bits}) << {plane.shift})" if i else bits)
+        return tuple(out)
+
+    @property
+    def packed(self) -> tuple[tuple[int, int, str], ...]:
+        """(plane index, byte range, the byte's value) for every byte range fill stores: the fields of the chunks
+        `code_<c>` that share the range's bytes, each plane's bits of each code shifted into its field."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            for r in range(ranges):
+                fields = []
+                for field in range(plane.per_byte):
+                    code = f"code_{field * ranges + r}" + (f" >> {plane.shift}" if plane.shift else "")
+                    bits = f"({code})" + (f" & {2 ** plane.width - 1}" if plane.width < 8 else "")
+                    fields.append(f"({bits})" + (f" << {field * plane.width}" if field else ""))
+                out.append((i, r, " | ".join(fields)))
+        return tuple(out)
+
+    # What macros/rotate.j2 substitutes for rotations in Hadamard blocks.
+    @property
+    def matrix_unit(self) -> str:
+        """What the matrix's -1/0/1 entries are multiplied by: the rotation's 1/sqrt(d), or 1 for a permutation."""
+        return f"(1.0 / {self.dim} ** 0.5)" if self.rotated else "1.0"
+
+    @property
+    def butterflies(self) -> tuple[tuple[int, int], ...]:
+        """The (i, j) chunk pairs of H_(chunks) applied across the chunks (a fast Walsh-Hadamard transform), in
+        order: for h = 1, 2, 4 each chunk i with bit h clear pairs with i + h."""
+        n = self.chunks
+        return tuple((i, i + h) for h in (1, 2, 4) if h < n for i in range(n) if (i // h) % 2 == 0)
+
+    def chunk_columns(self, c: int) -> str:
+        """Chunk c's columns in a head-wide row: `<SIDE>_CHUNK` steps from the first chunk's `<side>_chunk`."""
+        return f"{c} * {self.name.upper()}_CHUNK + {self.name}_chunk" if c else f"{self.name}_chunk"
+
+    # What tables.py.j2's `_tables` substitutes to build this part's constant tensors (d: the part's width there).
+    @property
+    def order_expr(self) -> str:
+        """The coordinate held at each position, as `_tables` computes it: interleaved packing's order, or
+        coordinate order."""
+        return f"_interleaved_order(d, {8 // self.code_bits})" if self.permuted else "torch.arange(d)"
+
+    @property
+    def signed_expr(self) -> str:
+        """The d x d matrix `_tables` orders into position order (before any random signs): H_d for a rotation, the
+        identity for a permutation alone."""
+        return "_hadamard(d)" if self.rotated else "torch.eye(d, dtype=torch.float64)"
+
+    @property
+    def sign_flips(self) -> bool:
+        """The rotation carries random signs (`_<SIDE>_SIGNS`, one vector per width)."""
+        return self.rotated and self.scheme.rotation.signs
+
+    @property
+    def table_key(self) -> str:
+        """The key of this part's per-width constants (signs, centroids) in `_tables`: a split part's are listed by
+        the head's head_dim, a whole side's by its own width d."""
+        return "head_dim" if self.split else "d"
+
     @property
     def rotated(self) -> bool:
         return self.scheme.rotation.kind == "hadamard"
@@ -865,6 +941,16 @@ class Layout:
     def builds_hadamard(self) -> bool:
         """`_tables` builds a Hadamard matrix (`_hadamard`): some side rotates by a matrix."""
         return any(side.uses_matrix and side.rotated for side in self.sides)
+
+    @property
+    def builds_qjl(self) -> bool:
+        """The module generates a QJL projection (the seeded Gaussian generator): some side has a QJL residual."""
+        return any(side.qjl for side in self.sides)
+
+    @property
+    def builds_lut_words(self) -> bool:
+        """The module packs Lloyd-Max codebooks into decode's PTX lookup words (`_lut_words`)."""
+        return any(side.fast_unpack and side.lut_words for side in self.sides)
 
     @property
     def builds_interleaved_order(self) -> bool:

@@ -675,6 +675,45 @@ class SideLayout:
         1 (groups inside chunks) where some head_dim has it, then the spans above 1 (`spans`)."""
         return ((1,) if self.groups_inside else ()) + self.spans
 
+    def chunk_groups(self, c: int) -> str:
+        """The scale groups of chunk c where they lie inside it (<SIDE>_GROUPS to a chunk; a padded chunk's real
+        columns hold fewer than its padded width does)."""
+        name, groups = self.name.upper(), f"tl.arange(0, {self.name.upper()}_GROUPS)"
+        if not c:
+            return groups
+        per_chunk = f"({name}_CHUNK // {self.group_size})" if self.padded else f"{name}_GROUPS"
+        return f"{c} * {per_chunk} + {groups}"
+
+    def real(self, fill: str) -> str:
+        """`x_%d` (a chunk, its index left to fill in) with any padding columns replaced by `fill`, to keep them out of
+        a minimum or a maximum."""
+        return f"tl.where({self.name}_in[None, :], x_%d, float('{fill}'))" if self.padded else "x_%d"
+
+    def lookup_steps(self, index: str) -> tuple[tuple[str, str, str, str], ...]:
+        """A scalar codebook's select tree on the bits of `index`, least significant first: (variable, bit, the
+        entry where the bit is set, where it is clear) for each select; the last variable holds the centroid."""
+        out = []
+        for level in range(self.level_bits):
+            entry = f"{self.name}_c%d" if level == 0 else f"lut_{level - 1}_%d"
+            for j in range(self.levels // 2 ** (level + 1)):
+                out.append((f"lut_{level}_{j}", f"({index} & {2 ** level}) != 0", entry % (2 * j + 1), entry % (2 * j)))
+        return tuple(out)
+
+    @property
+    def probes(self) -> int:
+        """Compares of the symmetric binary search ("bisect"): one per bit of |value|'s level among `half`."""
+        return (self.half - 1).bit_length()
+
+    def probe_threshold(self, k: int) -> str:
+        """The boundary probe k compares |value| with, chosen by the probes before it (a tree of selects)."""
+        step = self.half // 2 ** (k + 1)
+        return _select_tree(f"{self.name}_b", range(k), range(self.half - 1 + step, 2 * self.half - 1, 2 * step))
+
+    @property
+    def probe_centroid(self) -> str:
+        """The carried centroid's magnitude after the symmetric binary search, chosen by every probe."""
+        return _select_tree(f"{self.name}_c", range(self.probes), range(self.half, 2 * self.half))
+
     @property
     def fast_cell(self) -> str | None:
         """Fill's compiled cell search (kernels/cell.py.j2) where the symmetric search scans, by what the helper
@@ -1141,6 +1180,16 @@ class Layout:
         """flatten's last launch constexprs: PTX lookups for an fp16 or bf16 output, and the rotated basis asked for."""
         flags = ["FAST_UNPACK=_FAST_UNPACK"] if self.flatten_unpacks else []
         return tuple(flags + (["ROTATED=rotated"] if self.flatten_rotated else []))
+
+def _select_tree(prefix: str, probes, indices) -> str:
+    """The value `<prefix><i>` for i in `indices` picked by the predicates `probe_<k>` for k in `probes`, most
+    significant first: a tree of selects."""
+    if not len(probes):
+        return f"{prefix}{indices[0]}"
+    n = len(indices) // 2
+    rest = probes[1:]
+    return f"tl.where(probe_{probes[0]}, {_select_tree(prefix, rest, indices[n:])}, {_select_tree(prefix, rest, indices[:n])})"
+
 
 def _side(name: str, t: TensorScheme, head_dims: tuple[int, ...], part: str = "") -> SideLayout:
     if not t.outliers:

@@ -85,6 +85,11 @@ class SideLayout:
         return f"{self.name.upper()}_OFFSET" if self.split else ""
 
     @property
+    def offset_term(self) -> str:
+        """What a part adds to a head's first column to reach its own (" + <PART>_OFFSET"); "" for a whole side."""
+        return f" + {self.offset_expr}" if self.split else ""
+
+    @property
     def chunk_pad(self) -> str:
         """The constexpr holding a chunk's width in position space (padded or not)."""
         return f"{self.name.upper()}_CHUNK_PAD" if self.padded else f"{self.name.upper()}_CHUNK"
@@ -301,6 +306,12 @@ class SideLayout:
     def pointers(self) -> tuple[str, ...]:
         """The kernel parameters for this part's cache tensors and constant tables, in order (macros/args.j2)."""
         return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The wrappers' launch arguments for `pointers`: the cache's tensors and the module's tables."""
+        return (f"cache.{self.name}_codes", f"cache.{self.name}_meta") + tuple(
+            f'tables["{self.name}_{table}"]' for table in self.tables)
 
     # What macros/codes.j2 substitutes to unpack and pack the bit planes (see the module docstring on positions).
     @property
@@ -1174,6 +1185,21 @@ class Layout:
         key mean)."""
         ring = ["window_index", "cache.key_window", "cache.value_window", "cache.max_seqs"] if self.window else []
         return tuple(ring + (["_key_mean(cache)"] if self.centered else []))
+
+    @property
+    def fill_args(self) -> tuple[str, ...]:
+        """fill's launch arguments for `fill_pointers`: the key mean, then every part's tensors and tables."""
+        mean = ("_key_mean(cache)",) if self.centered else ()
+        return mean + tuple(arg for side in self.sides for arg in side.args)
+
+    @property
+    def flatten_args(self) -> tuple[str, ...]:
+        """flatten's launch arguments for `flatten_pointers`: every part's tensors and tables (with its lookup words
+        where flatten takes them), then what it reads besides (flatten_reads)."""
+        out = []
+        for side in self.sides:
+            out += side.args + ((f'tables["{side.name}_lut"]',) if side.flatten_fast and side.lut_words else ())
+        return tuple(out) + self.flatten_reads
 
     @property
     def flatten_flags(self) -> tuple[str, ...]:

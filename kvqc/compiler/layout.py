@@ -384,6 +384,14 @@ class SideLayout:
         return self.rotated and self.scheme.rotation.signs
 
     @property
+    def table_width(self) -> str:
+        """What `_tables` sets d to for this part in a layout with a channel split, and why: a part's own channels,
+        or every channel for a side that is not split."""
+        if self.split:
+            return f'_part_dims(head_dim)["{self.name}"]  # the channels this part quantizes'
+        return "head_dim  # an unsplit side takes every channel"
+
+    @property
     def table_key(self) -> str:
         """The key of this part's per-width constants (signs, centroids) in `_tables`: a split part's are listed by
         the head's head_dim, a whole side's by its own width d."""
@@ -1185,6 +1193,11 @@ class Layout:
         key mean)."""
         ring = ["window_index", "cache.key_window", "cache.value_window", "cache.max_seqs"] if self.window else []
         return tuple(ring + (["_key_mean(cache)"] if self.centered else []))
+
+    @property
+    def flatten_flag_params(self) -> tuple[str, ...]:
+        """_flatten_kernel's last constexprs, which flatten_flags set: FAST_UNPACK, ROTATED."""
+        return tuple(flag.split("=")[0] for flag in self.flatten_flags)
 
     @property
     def fill_args(self) -> tuple[str, ...]:

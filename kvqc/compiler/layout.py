@@ -734,6 +734,18 @@ class SideLayout:
         return _select_tree(f"{self.name}_c", range(self.probes), range(self.half, 2 * self.half))
 
     @property
+    def group_branches(self) -> tuple[tuple[int, str], ...]:
+        """Each of group_variants with the line that opens its constexpr branch in fill (affine.j2 spanning_groups):
+        the test on <SIDE>_GROUPS or <SIDE>_SPAN, and the head_dims that take it."""
+        name, out = self.name.upper(), []
+        for i, span in enumerate(self.group_variants):
+            test = f"{name}_GROUPS > 0" if span == 1 else f"{name}_SPAN == {span}"
+            what = "groups inside chunks" if span == 1 else f"a group spans {span} chunks"
+            dims = ", ".join(str(d) for d in self.head_dims_with_span(span))
+            out.append((span, f"{'elif' if i else 'if'} {test}:  # head_dim {dims}: {what}"))
+        return tuple(out)
+
+    @property
     def fast_cell(self) -> str | None:
         """Fill's compiled cell search (kernels/cell.py.j2) where the symmetric search scans, by what the helper
         returns beside the code: "code" (nothing), "sign" (the residual, its sign already in the code), "signed"

@@ -688,6 +688,26 @@ class SideLayout:
         """What a uniform grid's code adds to its level (codes are unsigned): top for a symmetric grid, else 0."""
         return 0 if self.scale_kind == "minmax" else self.level_top
 
+    def shifted(self, code: str) -> str:
+        """A uniform grid's level of `code`: the code less the grid's offset."""
+        return f"({code} - {self.grid_offset})" if self.grid_offset else code
+
+    @property
+    def index_bits(self) -> str:
+        """The codebook index of `code`: its bits below any residual bit."""
+        return f"(code & {self.levels - 1})" if self.residual != "none" else "code"
+
+    def scaled(self, x: str, at: str) -> str:
+        """`x` over its scale, as a uniform grid's code takes it: less `zero` (minmax), times `inverse`; both
+        indexed by `at` to meet x's shape."""
+        return (f"({x} - zero{at})" if self.scale_kind == "minmax" else x) + f" * inverse{at}"
+
+    def grid_residual(self, c: int) -> str:
+        """What a per-row uniform grid leaves of chunk c: `x_<c>` less its codes' level times the scale (plus the
+        zero)."""
+        zero = " + zero[:, None]" if self.scale_kind == "minmax" else ""
+        return f"x_{c} - ({self.shifted(f'code_{c}')}.to(tl.float32) * scale[:, None]{zero})"
+
     @property
     def group_variants(self) -> tuple[int, ...]:
         """The spans fill's and flatten's scale groups take over the scheme's head_dims, one constexpr branch each:

@@ -348,6 +348,19 @@ class SideLayout:
                 out.append((i, r, " | ".join(fields)))
         return tuple(out)
 
+    def reduce_chunks(self, combine: str, each: str, chunks: int | None = None, first: int = 0) -> str:
+        """`combine(each_0, combine(each_1, ...))`: one value per row from every chunk, or from `chunks` chunks from
+        chunk `first` on (`each` holds %d for the chunk)."""
+        items = [each % c for c in range(first, first + (self.chunks if chunks is None else chunks))]
+        out = items[-1]
+        for item in reversed(items[:-1]):
+            out = f"{combine}({item}, {out})"
+        return out
+
+    def sum_squares(self, var: str) -> str:
+        """Each row's sum of squares over the chunks `<var>_<c>`."""
+        return " + ".join(f"tl.sum({var}_{c} * {var}_{c}, axis=1)" for c in range(self.chunks))
+
     # What macros/rotate.j2 substitutes for rotations in Hadamard blocks.
     @property
     def matrix_unit(self) -> str:
@@ -777,6 +790,12 @@ class SideLayout:
         if self.residual == "sign" and not self.unbiased:
             return "sign"
         return "signed" if self.signed else "magnitude"
+
+    @property
+    def cell_scalars(self) -> str:
+        """The boundaries and centroids fill passes its compiled cell search after the value, each after a comma."""
+        names = [f"{self.name}_b{i}" for i in self.fill_boundaries] + [f"{self.name}_c{i}" for i in self.fill_centroids]
+        return "".join(f", {name}" for name in names)
 
     @property
     def cell_helper(self) -> str | None:

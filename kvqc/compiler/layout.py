@@ -1148,6 +1148,31 @@ class Layout:
         return Ring(self.window, self.sinks, groups) if self.window else None
 
     @property
+    def fill_window_doc(self) -> str:
+        """fill's docstring lines on positions and window_index: what a window scheme requires of them, or that this
+        scheme reads neither."""
+        if not self.window:
+            return ("    positions and window_index serve schemes with a recent-token window; this one has none and "
+                    "reads neither.")
+        return (
+            "    Required, since the last WINDOW tokens of each sequence are kept in a ring:\n"
+            "    positions [num_tokens]: each token's position in its sequence (offset = position % block_size);\n"
+            "    window_index [num_tokens]: its sequence's ring row, 0..max_seqs-1, the same for the sequence's whole "
+            "life.\n"
+            "    A sequence's tokens in one call must be consecutive and in position order, as engines lay out a "
+            "batch, and\n"
+            "    every token of a sequence must be filled: the ring holds the last WINDOW of those filled"
+            + self.ring.fill_doc
+        )
+
+    @property
+    def flatten_window_doc(self) -> str:
+        """flatten's docstring lines on window_index (Ring.flatten_doc), or that this scheme does not read it."""
+        if not self.window:
+            return "    window_index serves schemes with a recent-token window; this one has none and does not read it."
+        return self.ring.flatten_doc
+
+    @property
     def split_bases(self) -> tuple[str, ...]:
         """The sides ("key", "value") whose channels are split into outliers and the rest."""
         return tuple(base for base in ("key", "value") if len(self.parts(base)) > 1)

@@ -1302,8 +1302,8 @@ def _select_tree(prefix: str, probes, indices) -> str:
     if not len(probes):
         return f"{prefix}{indices[0]}"
     n = len(indices) // 2
-    rest = probes[1:]
-    return f"tl.where(probe_{probes[0]}, {_select_tree(prefix, rest, indices[n:])}, {_select_tree(prefix, rest, indices[:n])})"
+    above, below = _select_tree(prefix, probes[1:], indices[n:]), _select_tree(prefix, probes[1:], indices[:n])
+    return f"tl.where(probe_{probes[0]}, {above}, {below})"
 
 
 def _side(name: str, t: TensorScheme, head_dims: tuple[int, ...], part: str = "") -> SideLayout:

@@ -313,6 +313,25 @@ class SideLayout:
         return (f"cache.{self.name}_codes", f"cache.{self.name}_meta") + tuple(
             f'tables["{self.name}_{table}"]' for table in self.tables)
 
+    # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
+    @property
+    def input_rows(self) -> str:
+        """Where fill's new rows of this part start: the tile's tokens `token` of KV head `head`, at the part's first
+        channel."""
+        base = self.base
+        rows = f"token[:, None].to(tl.int64) * stride_{base}_token + head * stride_{base}_head"
+        return f"{base}_ptr + {rows}{self.offset_term}"
+
+    @property
+    def block_mask(self) -> str:
+        """What a padded part's IN_BLOCK columns add to a mask: the columns inside its real width; "" unpadded."""
+        return f" & (k + dim[None, :] < {self.dim})" if self.padded else ""
+
+    def matrix_block(self, c: int) -> str:
+        """The matrix entries between chunk c's positions and the IN_BLOCK input columns from k: chunk x IN_BLOCK."""
+        return (f"{self.name}_matrix_ptr + ({c} * {self.chunk_pad} + {self.name}_chunk[:, None]) * {self.head_pad} + k"
+                " + dim[None, :]")
+
     # What macros/codes.j2 substitutes to unpack and pack the bit planes (see the module docstring on positions).
     @property
     def plane_ranges(self) -> tuple[tuple[int, int], ...]:

@@ -85,6 +85,11 @@ class SideLayout:
         return f"{self.name.upper()}_OFFSET" if self.split else ""
 
     @property
+    def offset_term(self) -> str:
+        """What a part adds to a head's first column to reach its own (" + <PART>_OFFSET"); "" for a whole side."""
+        return f" + {self.offset_expr}" if self.split else ""
+
+    @property
     def chunk_pad(self) -> str:
         """The constexpr holding a chunk's width in position space (padded or not)."""
         return f"{self.name.upper()}_CHUNK_PAD" if self.padded else f"{self.name.upper()}_CHUNK"
@@ -296,6 +301,133 @@ class SideLayout:
         if self.qjl:
             out.append("qjl")
         return tuple(out)
+
+    @property
+    def pointers(self) -> tuple[str, ...]:
+        """The kernel parameters for this part's cache tensors and constant tables, in order (macros/args.j2)."""
+        return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The wrappers' launch arguments for `pointers`: the cache's tensors and the module's tables."""
+        return (f"cache.{self.name}_codes", f"cache.{self.name}_meta") + tuple(
+            f'tables["{self.name}_{table}"]' for table in self.tables)
+
+    # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
+    @property
+    def input_rows(self) -> str:
+        """Where fill's new rows of this part start: the tile's tokens `token` of KV head `head`, at the part's first
+        channel."""
+        base = self.base
+        rows = f"token[:, None].to(tl.int64) * stride_{base}_token + head * stride_{base}_head"
+        return f"{base}_ptr + {rows}{self.offset_term}"
+
+    @property
+    def block_mask(self) -> str:
+        """What a padded part's IN_BLOCK columns add to a mask: the columns inside its real width; "" unpadded."""
+        return f" & (k + dim[None, :] < {self.dim})" if self.padded else ""
+
+    def matrix_block(self, c: int) -> str:
+        """The matrix entries between chunk c's positions and the IN_BLOCK input columns from k: chunk x IN_BLOCK."""
+        return (f"{self.name}_matrix_ptr + ({c} * {self.chunk_pad} + {self.name}_chunk[:, None]) * {self.head_pad} + k"
+                " + dim[None, :]")
+
+    # What macros/codes.j2 substitutes to unpack and pack the bit planes (see the module docstring on positions).
+    @property
+    def plane_ranges(self) -> tuple[tuple[int, int], ...]:
+        """(plane index, byte range) of every chunk-wide byte range of every plane, in load order: each is one
+        load `<side>_bytes_<plane>_<range>`."""
+        return tuple((i, r) for i, plane in enumerate(self.planes) for r in range(self.ranges(plane)))
+
+    def chunk_code(self, c: int) -> tuple[str, ...]:
+        """What `code` is set to, line by line, to gather chunk c's codes from the loaded bytes: the first plane's
+        field, then each further plane's field or'ed in above the bits before it."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            field, loaded = c // ranges, f"{self.name}_bytes_{i}_{c % ranges}"
+            bits = f"({loaded} >> {field * plane.width})" if field else loaded
+            bits += f" & {2 ** plane.width - 1}" if plane.width < 8 else ""
+            out.append(f"code | (({bits}) << {plane.shift})" if i else bits)
+        return tuple(out)
+
+    @property
+    def packed(self) -> tuple[tuple[int, int, str], ...]:
+        """(plane index, byte range, the byte's value) for every byte range fill stores: the fields of the chunks
+        `code_<c>` that share the range's bytes, each plane's bits of each code shifted into its field."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            for r in range(ranges):
+                fields = []
+                for field in range(plane.per_byte):
+                    code = f"code_{field * ranges + r}" + (f" >> {plane.shift}" if plane.shift else "")
+                    bits = f"({code})" + (f" & {2 ** plane.width - 1}" if plane.width < 8 else "")
+                    fields.append(f"({bits})" + (f" << {field * plane.width}" if field else ""))
+                out.append((i, r, " | ".join(fields)))
+        return tuple(out)
+
+    def reduce_chunks(self, combine: str, each: str, chunks: int | None = None, first: int = 0) -> str:
+        """`combine(each_0, combine(each_1, ...))`: one value per row from every chunk, or from `chunks` chunks from
+        chunk `first` on (`each` holds %d for the chunk)."""
+        items = [each % c for c in range(first, first + (self.chunks if chunks is None else chunks))]
+        out = items[-1]
+        for item in reversed(items[:-1]):
+            out = f"{combine}({item}, {out})"
+        return out
+
+    def sum_squares(self, var: str) -> str:
+        """Each row's sum of squares over the chunks `<var>_<c>`."""
+        return " + ".join(f"tl.sum({var}_{c} * {var}_{c}, axis=1)" for c in range(self.chunks))
+
+    # What macros/rotate.j2 substitutes for rotations in Hadamard blocks.
+    @property
+    def matrix_unit(self) -> str:
+        """What the matrix's -1/0/1 entries are multiplied by: the rotation's 1/sqrt(d), or 1 for a permutation."""
+        return f"(1.0 / {self.dim} ** 0.5)" if self.rotated else "1.0"
+
+    @property
+    def butterflies(self) -> tuple[tuple[int, int], ...]:
+        """The (i, j) chunk pairs of H_(chunks) applied across the chunks (a fast Walsh-Hadamard transform), in
+        order: for h = 1, 2, 4 each chunk i with bit h clear pairs with i + h."""
+        n = self.chunks
+        return tuple((i, i + h) for h in (1, 2, 4) if h < n for i in range(n) if (i // h) % 2 == 0)
+
+    def chunk_columns(self, c: int) -> str:
+        """Chunk c's columns in a head-wide row: `<SIDE>_CHUNK` steps from the first chunk's `<side>_chunk`."""
+        return f"{c} * {self.name.upper()}_CHUNK + {self.name}_chunk" if c else f"{self.name}_chunk"
+
+    # What tables.py.j2's `_tables` substitutes to build this part's constant tensors (d: the part's width there).
+    @property
+    def order_expr(self) -> str:
+        """The coordinate held at each position, as `_tables` computes it: interleaved packing's order, or
+        coordinate order."""
+        return f"_interleaved_order(d, {8 // self.code_bits})" if self.permuted else "torch.arange(d)"
+
+    @property
+    def signed_expr(self) -> str:
+        """The d x d matrix `_tables` orders into position order (before any random signs): H_d for a rotation, the
+        identity for a permutation alone."""
+        return "_hadamard(d)" if self.rotated else "torch.eye(d, dtype=torch.float64)"
+
+    @property
+    def sign_flips(self) -> bool:
+        """The rotation carries random signs (`_<SIDE>_SIGNS`, one vector per width)."""
+        return self.rotated and self.scheme.rotation.signs
+
+    @property
+    def table_width(self) -> str:
+        """What `_tables` sets d to for this part in a layout with a channel split, and why: a part's own channels,
+        or every channel for a side that is not split."""
+        if self.split:
+            return f'_part_dims(head_dim)["{self.name}"]  # the channels this part quantizes'
+        return "head_dim  # an unsplit side takes every channel"
+
+    @property
+    def table_key(self) -> str:
+        """The key of this part's per-width constants (signs, centroids) in `_tables`: a split part's are listed by
+        the head's head_dim, a whole side's by its own width d."""
+        return "head_dim" if self.split else "d"
 
     @property
     def rotated(self) -> bool:
@@ -613,11 +745,82 @@ class SideLayout:
         """What a uniform grid's code adds to its level (codes are unsigned): top for a symmetric grid, else 0."""
         return 0 if self.scale_kind == "minmax" else self.level_top
 
+    def shifted(self, code: str) -> str:
+        """A uniform grid's level of `code`: the code less the grid's offset."""
+        return f"({code} - {self.grid_offset})" if self.grid_offset else code
+
+    @property
+    def index_bits(self) -> str:
+        """The codebook index of `code`: its bits below any residual bit."""
+        return f"(code & {self.levels - 1})" if self.residual != "none" else "code"
+
+    def scaled(self, x: str, at: str) -> str:
+        """`x` over its scale, as a uniform grid's code takes it: less `zero` (minmax), times `inverse`; both
+        indexed by `at` to meet x's shape."""
+        return (f"({x} - zero{at})" if self.scale_kind == "minmax" else x) + f" * inverse{at}"
+
+    def grid_residual(self, c: int) -> str:
+        """What a per-row uniform grid leaves of chunk c: `x_<c>` less its codes' level times the scale (plus the
+        zero)."""
+        zero = " + zero[:, None]" if self.scale_kind == "minmax" else ""
+        return f"x_{c} - ({self.shifted(f'code_{c}')}.to(tl.float32) * scale[:, None]{zero})"
+
     @property
     def group_variants(self) -> tuple[int, ...]:
         """The spans fill's and flatten's scale groups take over the scheme's head_dims, one constexpr branch each:
         1 (groups inside chunks) where some head_dim has it, then the spans above 1 (`spans`)."""
         return ((1,) if self.groups_inside else ()) + self.spans
+
+    def chunk_groups(self, c: int) -> str:
+        """The scale groups of chunk c where they lie inside it (<SIDE>_GROUPS to a chunk; a padded chunk's real
+        columns hold fewer than its padded width does)."""
+        name, groups = self.name.upper(), f"tl.arange(0, {self.name.upper()}_GROUPS)"
+        if not c:
+            return groups
+        per_chunk = f"({name}_CHUNK // {self.group_size})" if self.padded else f"{name}_GROUPS"
+        return f"{c} * {per_chunk} + {groups}"
+
+    def real(self, fill: str) -> str:
+        """`x_%d` (a chunk, its index left to fill in) with any padding columns replaced by `fill`, to keep them out of
+        a minimum or a maximum."""
+        return f"tl.where({self.name}_in[None, :], x_%d, float('{fill}'))" if self.padded else "x_%d"
+
+    def lookup_steps(self, index: str) -> tuple[tuple[str, str, str, str], ...]:
+        """A scalar codebook's select tree on the bits of `index`, least significant first: (variable, bit, the
+        entry where the bit is set, where it is clear) for each select; the last variable holds the centroid."""
+        out = []
+        for level in range(self.level_bits):
+            entry = f"{self.name}_c%d" if level == 0 else f"lut_{level - 1}_%d"
+            for j in range(self.levels // 2 ** (level + 1)):
+                out.append((f"lut_{level}_{j}", f"({index} & {2 ** level}) != 0", entry % (2 * j + 1), entry % (2 * j)))
+        return tuple(out)
+
+    @property
+    def probes(self) -> int:
+        """Compares of the symmetric binary search ("bisect"): one per bit of |value|'s level among `half`."""
+        return (self.half - 1).bit_length()
+
+    def probe_threshold(self, k: int) -> str:
+        """The boundary probe k compares |value| with, chosen by the probes before it (a tree of selects)."""
+        step = self.half // 2 ** (k + 1)
+        return _select_tree(f"{self.name}_b", range(k), range(self.half - 1 + step, 2 * self.half - 1, 2 * step))
+
+    @property
+    def probe_centroid(self) -> str:
+        """The carried centroid's magnitude after the symmetric binary search, chosen by every probe."""
+        return _select_tree(f"{self.name}_c", range(self.probes), range(self.half, 2 * self.half))
+
+    @property
+    def group_branches(self) -> tuple[tuple[int, str], ...]:
+        """Each of group_variants with the line that opens its constexpr branch in fill (affine.j2 spanning_groups):
+        the test on <SIDE>_GROUPS or <SIDE>_SPAN, and the head_dims that take it."""
+        name, out = self.name.upper(), []
+        for i, span in enumerate(self.group_variants):
+            test = f"{name}_GROUPS > 0" if span == 1 else f"{name}_SPAN == {span}"
+            what = "groups inside chunks" if span == 1 else f"a group spans {span} chunks"
+            dims = ", ".join(str(d) for d in self.head_dims_with_span(span))
+            out.append((span, f"{'elif' if i else 'if'} {test}:  # head_dim {dims}: {what}"))
+        return tuple(out)
 
     @property
     def fast_cell(self) -> str | None:
@@ -631,6 +834,12 @@ class SideLayout:
         if self.residual == "sign" and not self.unbiased:
             return "sign"
         return "signed" if self.signed else "magnitude"
+
+    @property
+    def cell_scalars(self) -> str:
+        """The boundaries and centroids fill passes its compiled cell search after the value, each after a comma."""
+        names = [f"{self.name}_b{i}" for i in self.fill_boundaries] + [f"{self.name}_c{i}" for i in self.fill_centroids]
+        return "".join(f", {name}" for name in names)
 
     @property
     def cell_helper(self) -> str | None:
@@ -889,6 +1098,16 @@ class Layout:
         return any(side.uses_matrix and side.rotated for side in self.sides)
 
     @property
+    def builds_qjl(self) -> bool:
+        """The module generates a QJL projection (the seeded Gaussian generator): some side has a QJL residual."""
+        return any(side.qjl for side in self.sides)
+
+    @property
+    def builds_lut_words(self) -> bool:
+        """The module packs Lloyd-Max codebooks into decode's PTX lookup words (`_lut_words`)."""
+        return any(side.fast_unpack and side.lut_words for side in self.sides)
+
+    @property
     def builds_interleaved_order(self) -> bool:
         """`_tables` orders a matrix or projection by interleaved positions (`_interleaved_order`)."""
         return any(side.permuted and (side.uses_matrix or side.qjl) for side in self.sides)
@@ -958,6 +1177,29 @@ class Layout:
         """Some side's fill and flatten take the d x d matrix IN_BLOCK columns at a time (an IN_BLOCK argument)."""
         return any(side.dense_matrix for side in self.sides)
 
+    # What the kernel templates (templates/kernels/) list in their signatures: decided here, placed there.
+    @property
+    def width_params(self) -> tuple[str, ...]:
+        """The kernels' constexprs for widths besides HEAD_DIM: HEAD_PAD for a padded head, then each split part's
+        width, first channel and padded width (part_constexprs, macros/args.j2 part_params)."""
+        return (("HEAD_PAD",) if self.padded else ()) + tuple(name for name, _ in self.part_constexprs)
+
+    @property
+    def fill_pointers(self) -> tuple[str, ...]:
+        """_fill_kernel's parameters after the rows and slots: the key mean, then every part's tensors and tables."""
+        mean = ("key_mean_ptr",) if self.centered else ()
+        return mean + tuple(pointer for side in self.sides for pointer in side.pointers)
+
+    @property
+    def flatten_pointers(self) -> tuple[str, ...]:
+        """_flatten_kernel's parameters after the output rows and their sequences: every part's tensors and tables
+        (with the PTX lookups' codebook words where flatten takes them), the ring rows, the key mean."""
+        out = []
+        for side in self.sides:
+            out += side.pointers + ((f"{side.name}_lut_ptr",) if side.flatten_fast and side.lut_words else ())
+        out += ["window_index_ptr", "key_window_ptr", "value_window_ptr", "max_seqs"] if self.window else []
+        return tuple(out + (["key_mean_ptr"] if self.centered else []))
+
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""
         return sum(s.code_bytes(head_dim) + metadata_bytes * s.meta_width(head_dim) for s in self.sides)
@@ -971,6 +1213,31 @@ class Layout:
         """The ring rows of a window scheme, as the API names and documents them; None without a window."""
         groups = tuple((side.name, side.token_group) for side in self.per_channel)
         return Ring(self.window, self.sinks, groups) if self.window else None
+
+    @property
+    def fill_window_doc(self) -> str:
+        """fill's docstring lines on positions and window_index: what a window scheme requires of them, or that this
+        scheme reads neither."""
+        if not self.window:
+            return ("    positions and window_index serve schemes with a recent-token window; this one has none and "
+                    "reads neither.")
+        return (
+            "    Required, since the last WINDOW tokens of each sequence are kept in a ring:\n"
+            "    positions [num_tokens]: each token's position in its sequence (offset = position % block_size);\n"
+            "    window_index [num_tokens]: its sequence's ring row, 0..max_seqs-1, the same for the sequence's whole "
+            "life.\n"
+            "    A sequence's tokens in one call must be consecutive and in position order, as engines lay out a "
+            "batch, and\n"
+            "    every token of a sequence must be filled: the ring holds the last WINDOW of those filled"
+            + self.ring.fill_doc
+        )
+
+    @property
+    def flatten_window_doc(self) -> str:
+        """flatten's docstring lines on window_index (Ring.flatten_doc), or that this scheme does not read it."""
+        if not self.window:
+            return "    window_index serves schemes with a recent-token window; this one has none and does not read it."
+        return self.ring.flatten_doc
 
     @property
     def split_bases(self) -> tuple[str, ...]:
@@ -1071,10 +1338,40 @@ class Layout:
         return tuple(ring + (["_key_mean(cache)"] if self.centered else []))
 
     @property
+    def flatten_flag_params(self) -> tuple[str, ...]:
+        """_flatten_kernel's last constexprs, which flatten_flags set: FAST_UNPACK, ROTATED."""
+        return tuple(flag.split("=")[0] for flag in self.flatten_flags)
+
+    @property
+    def fill_args(self) -> tuple[str, ...]:
+        """fill's launch arguments for `fill_pointers`: the key mean, then every part's tensors and tables."""
+        mean = ("_key_mean(cache)",) if self.centered else ()
+        return mean + tuple(arg for side in self.sides for arg in side.args)
+
+    @property
+    def flatten_args(self) -> tuple[str, ...]:
+        """flatten's launch arguments for `flatten_pointers`: every part's tensors and tables (with its lookup words
+        where flatten takes them), then what it reads besides (flatten_reads)."""
+        out = []
+        for side in self.sides:
+            out += side.args + ((f'tables["{side.name}_lut"]',) if side.flatten_fast and side.lut_words else ())
+        return tuple(out) + self.flatten_reads
+
+    @property
     def flatten_flags(self) -> tuple[str, ...]:
         """flatten's last launch constexprs: PTX lookups for an fp16 or bf16 output, and the rotated basis asked for."""
         flags = ["FAST_UNPACK=_FAST_UNPACK"] if self.flatten_unpacks else []
         return tuple(flags + (["ROTATED=rotated"] if self.flatten_rotated else []))
+
+def _select_tree(prefix: str, probes, indices) -> str:
+    """The value `<prefix><i>` for i in `indices` picked by the predicates `probe_<k>` for k in `probes`, most
+    significant first: a tree of selects."""
+    if not len(probes):
+        return f"{prefix}{indices[0]}"
+    n = len(indices) // 2
+    above, below = _select_tree(prefix, probes[1:], indices[n:]), _select_tree(prefix, probes[1:], indices[:n])
+    return f"tl.where(probe_{probes[0]}, {above}, {below})"
+
 
 def _side(name: str, t: TensorScheme, head_dims: tuple[int, ...], part: str = "") -> SideLayout:
     if not t.outliers:

@@ -73,8 +73,6 @@ def _build(args: argparse.Namespace) -> int:
         for (scheme, target, source), now in zip(rendered, current):
             if now is not None and now != source:
                 _check_replace(scheme, target, now)
-    for scheme, _, _ in rendered if not args.check else ():
-        _portable_note(scheme)
     stale = 0
     for (scheme, target, source), now in zip(rendered, current):
         if args.check:
@@ -90,17 +88,6 @@ def _build(args: argparse.Namespace) -> int:
     if not args.check and rendered and not package.exists():
         write_atomic(package, "")  # `from generated import x` with the output's parent on sys.path
     return 1 if stale else 0
-
-
-def _portable_note(scheme: Scheme) -> None:
-    """One line on stderr where decode reads a side without a PTX helper: where to expect the scheme furthest
-    from its byte floor, said at build time rather than found in a benchmark."""
-    from kvqc.compiler.layout import plan
-
-    sides = [f"{side.name} ({side.portable_reason})" for side in plan(scheme).sides if side.portable_reason]
-    if sides:
-        print(printable(f"note: {scheme.name}: decode reads {' and '.join(sides)} on the portable path, without PTX "
-                        f"unpacking (`kvqc explain {scheme.name}`)"), file=sys.stderr)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -596,7 +596,7 @@ class SideLayout:
     @property
     def portable_reason(self) -> str:
         """Why decode reads this side's codes on the portable path (fast_unpack empty), in a few words; "" where a
-        PTX helper unpacks them. `kvqc build` and `kvqc explain` say it, so a scheme author knows before a benchmark."""
+        PTX helper unpacks them. `kvqc explain` says it, so a scheme author knows before a benchmark."""
         if self.fast_unpack:
             return ""
         s = self.scheme

@@ -98,7 +98,9 @@ def decode_tuning(name: str) -> dict:
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
     if configs:
-        comment = f"Tuned on {table['device']} (templates/decode_tuning.json records the sweep)."
+        sweep = table.get("sweeps", {}).get(name, f"{table['device']} ({table.get('shapes', '')})")
+        where = sweep[: sweep.index(")") + 1] if ")" in sweep else sweep  # the device and shapes, not the run's notes
+        comment = f"Tuned on {where}; templates/decode_tuning.json records the sweep."
     else:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])

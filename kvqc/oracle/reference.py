@@ -7,6 +7,7 @@ its definition, and the paged cache is walked sequence by sequence. A template b
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -510,7 +511,7 @@ class Reference:
             keys = [self.side("key", cache.head_dim).rotate(k) for k in keys]
             values = [self.side("value", cache.head_dim).rotate(v) for v in values]
         if out is not None:
-            starts = start_loc.tolist() if start_loc is not None else [sum(seq_lens.tolist()[:b]) for b in range(len(keys))]
+            starts = start_loc.tolist() if start_loc is not None else [0, *itertools.accumulate(len(k) for k in keys)]
             for buffer, parts in zip(out, (keys, values)):
                 for at, x in zip(starts, parts):
                     fits = x[: max(buffer.shape[0] - at, 0)]
@@ -533,13 +534,8 @@ class Reference:
         result = torch.zeros(batch, num_q_heads, d, dtype=torch.float64)
         rows = window_index.tolist() if window_index is not None else [None] * batch
         for b, (table, n, r) in enumerate(zip(block_tables.cpu(), seq_lens.tolist(), rows)):
-            if n == 0:
-                continue
-            k = self.gather(cache, "key", table, n, r).repeat_interleave(group, dim=1)  # [n, Hq, d]
-            v = self.gather(cache, "value", table, n, r).repeat_interleave(group, dim=1)
-            q = query[b].cpu().to(torch.float64)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
-            result[b] = torch.einsum("hn,nhd->hd", p, v)
+            if n:
+                result[b] = self._causal(cache, table, n, r, query[b : b + 1], group, scale)[0]
         return result if out is None else out.copy_(result)
 
     def attend(
@@ -559,14 +555,21 @@ class Reference:
             q_len = starts[b + 1] - starts[b]
             if not q_len:
                 continue
-            k = self.gather(cache, "key", table, n, r).repeat_interleave(group, dim=1)  # [n, Hq, d]
-            v = self.gather(cache, "value", table, n, r).repeat_interleave(group, dim=1)
-            q = query[starts[b] : starts[b + 1]].cpu().to(torch.float64)  # [q_len, Hq, d]
-            scores = torch.einsum("thd,nhd->htn", q, k) * scale
-            visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]  # [q_len, n]
-            p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-            out[starts[b] : starts[b + 1]] = torch.einsum("htn,nhd->thd", p, v)
+            rows_b = slice(starts[b], starts[b + 1])
+            out[rows_b] = self._causal(cache, table, n, r, query[rows_b], group, scale)
         return out
+
+    def _causal(self, cache: Any, table: torch.Tensor, n: int, row: int | None, q: torch.Tensor, group: int,
+                scale: float) -> torch.Tensor:
+        """float64 [q_len, num_q_heads, head_dim]: one sequence's last q_len tokens q attending causally over its n
+        cached tokens (token j sees positions 0 .. n - q_len + j; a single token sees them all)."""
+        k = self.gather(cache, "key", table, n, row).repeat_interleave(group, dim=1)  # [n, Hq, d]
+        v = self.gather(cache, "value", table, n, row).repeat_interleave(group, dim=1)
+        q_len = q.shape[0]
+        scores = torch.einsum("thd,nhd->htn", q.cpu().to(torch.float64), k) * scale
+        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]  # [q_len, n]
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.einsum("htn,nhd->thd", p, v)
 
 
 class RotatedBasisReference(Reference):

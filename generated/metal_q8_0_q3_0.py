@@ -155,8 +155,8 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
-# Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
-# launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
+# K's scale groups take the query one group of columns at a time from _rotate_query_kernel's rows: the split kernels
+# do not rotate it themselves.
 _ROTATE_IN_DECODE = False
 
 
@@ -1199,7 +1199,6 @@ def _decode_kernel(
     LAZY_RESCALE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
     MERGE: tl.constexpr,
-    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
@@ -2714,7 +2713,6 @@ def decode(
         LAZY_RESCALE=_LAZY_RESCALE,
         FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         MERGE=merging,
-        ROTATE=_ROTATE_IN_DECODE,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

@@ -19,3 +19,12 @@ def test_generated_lines_fit_120_columns():
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "E501", "--line-length", "120",
                           "--output-format", "concise", "generated"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_templates_stay_short():
+    """A template a newcomer can read whole: each piece of kvqc/compiler/templates under 400 lines (the kernels
+    split their named pieces into files of their own, e.g. kernels/tiles.j2 beside kernels/decode.py.j2)."""
+    templates = ROOT / "kvqc" / "compiler" / "templates"
+    lengths = {str(p.relative_to(templates)): len(p.read_text().splitlines()) for p in templates.rglob("*.j2")}
+    assert len(lengths) > 20, lengths
+    assert {name: n for name, n in lengths.items() if n > 400} == {}

@@ -1076,6 +1076,13 @@ class Layout:
         return not self.split and self.key.kernel_rotates
 
     @property
+    def fuses_query_rotation(self) -> bool:
+        """The split kernels can rotate the query themselves (their ROTATE constexpr; `_ROTATE_IN_DECODE` says
+        whether they do): rotates_query, except where K's group_dots read the query one unit of columns at a time
+        from `_rotate_query_kernel`'s rows."""
+        return self.rotates_query and not self.key.group_dots
+
+    @property
     def rotates_output(self) -> bool:
         """The merge (`_merge_splits` or `_decode_reduce_kernel`) rotates the merged output back (a split layout maps
         each part in torch)."""

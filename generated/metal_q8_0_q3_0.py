@@ -131,12 +131,12 @@ _FAST_UNPACK = _COMPILED_CUDA
 # an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 64
 # Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages, so that the next tile's rows
-# arrive while this one is rotated and quantized. Under a register cap (codegen.decode_tuning), as many as an SM
-# holds, so that a large fill is one wave; `fill_programs` in templates/decode_tuning.json overrides the count.
-_FILL_PROGRAMS_PER_SM = 8
-# Registers per thread of the looping fill: a cap that lets one more program reside per SM
-# (templates/decode_tuning.json, `fill_registers`); None keeps the compiler's count.
-_FILL_MAX_REGISTERS = None
+# arrive while this one is rotated and quantized. Per head_dim: under a register cap, as many as an SM holds, so
+# that a large fill is one wave (`fill_programs` in templates/decode_tuning.json overrides the count); 8 elsewhere.
+_FILL_PROGRAMS_PER_SM = {}
+# Registers per thread of the looping fill, per head_dim where measured (templates/decode_tuning.json,
+# `fill_registers`): a cap that lets one more program reside per SM. Other head dims keep the compiler's count.
+_FILL_MAX_REGISTERS = {}
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
@@ -2286,7 +2286,8 @@ def fill(
     tables = _tables(cache.head_dim, cache.device)
     # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
     num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
-    programs = max(1, _target_programs(cache.device, _FILL_PROGRAMS_PER_SM) // cache.num_kv_heads)
+    per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
+    programs = max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads)
     tiles = _cdiv(num_tiles, programs)
     grid = (_cdiv(num_tiles, tiles), cache.num_kv_heads)
     _launch(
@@ -2318,7 +2319,7 @@ def fill(
         FAST_CELL=_COMPILED_CUDA,
         # Several tiles a program: 2 stages (H100, turbo_k4v2, 8 x 32k: 52% of copy bandwidth, 43% at 3) and the
         # register cap. One tile (a decode step's few tokens): launched as without the loop.
-        **({"num_stages": 2, "maxnreg": _FILL_MAX_REGISTERS} if tiles > 1 else {}),
+        **({"num_stages": 2, "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1 else {}),
     )
 
 

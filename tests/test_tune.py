@@ -135,29 +135,29 @@ def test_lazy_rescale_list_renders_into_the_module(tmp_path, monkeypatch):
 def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
     path = tmp_path / "decode_tuning.json"
     table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
-    table["fill_registers"] = {"some_scheme": 144}
+    table["fill_registers"] = {"some_scheme": {"128": 144}}
     path.write_text(json.dumps(table), encoding="utf-8")
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
-    assert codegen.decode_tuning("some_scheme")["fill_registers"] == 144
-    assert codegen.decode_tuning("int4_token")["fill_registers"] is None
+    assert codegen.decode_tuning("some_scheme")["fill_registers"] == "{128: 144}"  # the head_dim it was measured at
+    assert codegen.decode_tuning("int4_token")["fill_registers"] == "{}"
     tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
-    assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": 144}
+    assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": {"128": 144}}
 
 
 def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_path, monkeypatch):
     """As many looping fill programs per SM as fit under the cap (one wave), the table's count where it names one,
-    8 without a cap; a sweep keeps the table's counts."""
+    per head_dim; the module takes 8 at head dims without either. A sweep keeps the table's counts."""
     path = tmp_path / "decode_tuning.json"
     table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
-    table["fill_registers"] = {"capped": 168, "named": 128}
-    table["fill_programs"] = {"named": 6}
+    table["fill_registers"] = {"capped": {"128": 168, "64": 255}, "named": {"128": 128}}
+    table["fill_programs"] = {"named": {"128": 6}}
     path.write_text(json.dumps(table), encoding="utf-8")
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
-    assert codegen.decode_tuning("capped")["fill_programs"] == 3  # 65536 // (168 * 128)
-    assert codegen.decode_tuning("named")["fill_programs"] == 6
-    assert codegen.decode_tuning("int4_token")["fill_programs"] == 8
+    assert codegen.decode_tuning("capped")["fill_programs"] == "{64: 2, 128: 3}"  # 65536 // (cap * 128)
+    assert codegen.decode_tuning("named")["fill_programs"] == "{128: 6}"
+    assert codegen.decode_tuning("int4_token")["fill_programs"] == "{}"
     tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
-    assert json.loads(path.read_text(encoding="utf-8"))["fill_programs"] == {"named": 6}
+    assert json.loads(path.read_text(encoding="utf-8"))["fill_programs"] == {"named": {"128": 6}}
 
 
 def test_looping_fill_launches_with_the_register_cap(monkeypatch):
@@ -169,7 +169,7 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
 
     case = make_case("turbo_k4v2", 128, 16, 1, [100, 90], torch.float16, seed=7)  # 193 tokens: 4 tiles of 64
     m = case.module
-    assert m._FILL_MAX_REGISTERS == codegen.decode_tuning("turbo_k4v2")["fill_registers"]
+    assert repr(m._FILL_MAX_REGISTERS) == codegen.decode_tuning("turbo_k4v2")["fill_registers"]
     spy = LaunchSpy(m._fill_kernel)
     monkeypatch.setattr(m, "_fill_kernel", spy)
     monkeypatch.setattr(m, "_target_programs", lambda device, per_sm: 2)  # the interpreter's count, on a GPU too
@@ -180,5 +180,24 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
     m.fill(case.cache, one, one, torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
     looping, single = spy.launches
     # 2 programs: 4 tiles make 2 a program.
-    assert looping["tiles"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS and looping["num_stages"] == 2
+    assert looping["tiles"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS[128] and looping["num_stages"] == 2
     assert single["tiles"] == 1 and "maxnreg" not in single and "num_stages" not in single
+
+
+def test_looping_fill_is_uncapped_where_no_cap_was_measured(monkeypatch):
+    """The cap belongs to the head_dim it was measured at: a wider head needs more registers (turbo_k4v2's fill at
+    head_dim 256 does not compile under 168), so a fill there launches with the compiler's count."""
+    import torch
+    from test_kernels import check_fill, make_case, snapshot
+
+    case = make_case("turbo_k4v2", 256, 16, 1, [100, 90], torch.float16, seed=7)
+    m = case.module
+    assert 256 not in m._FILL_MAX_REGISTERS
+    spy = LaunchSpy(m._fill_kernel)
+    monkeypatch.setattr(m, "_fill_kernel", spy)
+    monkeypatch.setattr(m, "_target_programs", lambda device, per_sm: 2)
+    before = snapshot(case.cache)
+    m.fill(case.cache, case.key, case.value, case.slot_mapping)
+    check_fill(case, before)
+    (looping,) = spy.launches
+    assert looping["tiles"] == 2 and looping["maxnreg"] is None and looping["num_stages"] == 2

@@ -105,15 +105,15 @@ def decode_tuning(name: str) -> dict:
         comment = "Not tuned for this scheme: every head_dim takes the default."
     lazy = name in table.get("lazy_rescale", [])
     rotate_apart = name in table.get("rotate_query_apart", [])
-    fill_registers = table.get("fill_registers", {}).get(name)
-    fill_registers = None if fill_registers is None else int(fill_registers)
-    # Looping fill programs per SM: the table's, else as many as fit under the cap (65536 registers over 4 warps of
-    # 32 threads: one wave for a large fill), else 8.
-    fill_programs = table.get("fill_programs", {}).get(name)
-    if fill_programs is None:
-        fill_programs = 65536 // (fill_registers * 128) if fill_registers else 8
+    # The looping fill's register cap and programs per SM, per head_dim where measured: a cap that helps at one
+    # head_dim can fail to compile at a wider one. Programs per SM: the table's, else as many as fit under the cap
+    # (65536 registers over 4 warps of 32 threads: one wave for a large fill); other head dims take 8, uncapped.
+    fill_registers = {int(d): int(n) for d, n in table.get("fill_registers", {}).get(name, {}).items()}
+    fill_programs = {d: 65536 // (n * 128) for d, n in fill_registers.items()}
+    fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
-            "rotate_in_decode": not rotate_apart, "fill_registers": fill_registers, "fill_programs": int(fill_programs)}
+            "rotate_in_decode": not rotate_apart, "fill_registers": repr(dict(sorted(fill_registers.items()))),
+            "fill_programs": repr(dict(sorted(fill_programs.items())))}
 
 
 def origin(scheme: Scheme) -> str | None:

@@ -85,7 +85,7 @@ _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3, head-major
 # ('bhsd'); templates/decode_tuning.json records the sweep.
-_DECODE_CONFIGS = {64: (32, 1, 2, 16, 256), 128: (32, 1, 3, 8, 128)}
+_DECODE_CONFIGS = {64: (32, 1, 2, 16, 256), 128: (32, 1, 3, 8, 128), 256: (16, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per

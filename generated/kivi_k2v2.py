@@ -1175,7 +1175,7 @@ def _decode_kernel(
             scale = key_scale_0_raw.to(tl.float32)
             zero = key_zero_0_raw.to(tl.float32)
             dots = _mm((query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_0), DOT_PRECISION)
-            query_shift = tl.sum(query_0.to(tl.float32) * (zero + 2 * scale)[None, :], axis=1)
+            query_shift = query_0.to(tl.float32) * (zero + 2 * scale)[None, :]
             if FAST_UNPACK:
                 tile_1 = _unpack_u2(key_bytes_0_0, 2)
             else:
@@ -1185,7 +1185,7 @@ def _decode_kernel(
             scale = key_scale_1_raw.to(tl.float32)
             zero = key_zero_1_raw.to(tl.float32)
             dots += _mm((query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_1), DOT_PRECISION)
-            query_shift += tl.sum(query_1.to(tl.float32) * (zero + 2 * scale)[None, :], axis=1)
+            query_shift += query_1.to(tl.float32) * (zero + 2 * scale)[None, :]
             if FAST_UNPACK:
                 tile_2 = _unpack_u2(key_bytes_0_0, 4)
             else:
@@ -1195,7 +1195,7 @@ def _decode_kernel(
             scale = key_scale_2_raw.to(tl.float32)
             zero = key_zero_2_raw.to(tl.float32)
             dots += _mm((query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_2), DOT_PRECISION)
-            query_shift += tl.sum(query_2.to(tl.float32) * (zero + 2 * scale)[None, :], axis=1)
+            query_shift += query_2.to(tl.float32) * (zero + 2 * scale)[None, :]
             if FAST_UNPACK:
                 tile_3 = _unpack_u2(key_bytes_0_0, 6)
             else:
@@ -1205,8 +1205,8 @@ def _decode_kernel(
             scale = key_scale_3_raw.to(tl.float32)
             zero = key_zero_3_raw.to(tl.float32)
             dots += _mm((query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_3), DOT_PRECISION)
-            query_shift += tl.sum(query_3.to(tl.float32) * (zero + 2 * scale)[None, :], axis=1)
-            dots += query_shift[:, None]
+            query_shift += query_3.to(tl.float32) * (zero + 2 * scale)[None, :]
+            dots += tl.sum(query_shift, axis=1)[:, None]
 
             scores = dots
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))

@@ -543,10 +543,9 @@ class SideLayout:
         """Scales per group of channels stay outside the tiles, which stay integer codes: decode takes one dot per run
         of `unit(d)` columns (a group, or the chunk where a group spans several). K dots each unit with the matching
         query columns and multiplies each group's dots by its scale per token (plus its zero times the query's sum
-        over the group); V scales the probabilities by each group's scale before its units' dots and adds the
-        probabilities' sum against the group's zero (group_shift) apart, one accumulator per unit. Needs units of 16
-        columns or more (tl.dot's smallest K for K, its smallest N for V) at every head_dim, uniform codes and a
-        whole side."""
+        over the group); V scales the probabilities by each group's scale before its units' dots, one accumulator
+        per unit, and sums the probabilities against the group's level_shift apart. Needs units of 16 columns or
+        more (tl.dot's smallest K for K, its smallest N for V) at every head_dim, uniform codes and a whole side."""
         if not self.group_size or self.per_channel or self.split or self.padded:
             return False
         if self.scheme.codebook.kind != "uniform":
@@ -556,8 +555,9 @@ class SideLayout:
     @property
     def channel_dots(self) -> bool:
         """K with per-channel scales shared by a token group of 16 or more: decode's tiles lie inside one group (the
-        plan caps BLOCK_N at it), so a chunk's scales are one vector that folds into the query (q * scale dotted with
-        the tiles, plus <q, channel_shift>) and never multiplies the tiles."""
+        plan caps BLOCK_N at it), so a chunk's scales are one vector, loaded a tile ahead, that folds into the query
+        (q * scale dotted with the tiles, plus <q, level_shift>) and never multiplies the tiles. V's per-channel
+        scales keep their own accumulation (scales after the dot) on the portable path."""
         return self.base == "key" and self.per_channel and self.token_group >= 16
 
     @property
@@ -630,7 +630,9 @@ class SideLayout:
         if self.padded:
             return "chunks padded to a power of two"
         if self.per_channel and not self.channel_dots:
-            return "per-channel scales on values" if self.base == "value" else "per-channel scales over under 16 tokens"
+            if self.base == "value":
+                return "per-channel scales on values"
+            return "per-channel scales shared by fewer than 16 tokens"
         if self.group_size:
             if self.split:
                 return "scales per group of channels in a channel split"

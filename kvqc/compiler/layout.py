@@ -569,10 +569,11 @@ class SideLayout:
 
     def level_shift(self, scale: str, zero: str) -> str:
         """What a channel (channel_dots) or a group (group_dots on V) adds per unit of query or probability to the dot
-        of its tiles: its zero (minmax) and tile_level times its scale; "" where that is nothing (fp8 codes)."""
+        of its tiles: its zero (minmax) and tile_level times its scale, as an operand (a sum in parentheses); ""
+        where that is nothing (fp8 codes)."""
         terms = [zero] if self.scale_kind == "minmax" else []
         terms += [f"{self.tile_level} * {scale}" if self.tile_level != 1 else scale] if self.tile_level else []
-        return " + ".join(terms)
+        return f"({' + '.join(terms)})" if len(terms) > 1 else "".join(terms)
 
     def unit(self, head_dim: int) -> int:
         """Columns of one group_dots tile at head_dim: the scale group, or the chunk where a group spans chunks."""

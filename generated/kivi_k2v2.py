@@ -59,7 +59,7 @@ SCHEME = {'head_dims': [64, 128, 256],
  'window': 128}
 HEAD_DIMS = (64, 128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "portable"}
+DECODE_UNPACK = {"key": "u2", "value": "u2"}
 WINDOW = 128  # recent tokens per sequence kept unquantized, in a ring: allocate_cache(max_seqs=...)
 KEY_CODE_BITS = 2
 KEY_METADATA = ('scale', 'zero')
@@ -89,15 +89,15 @@ _MERGE_ROWS = 128
 _FLATTEN_BLOCK_T = 64
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8/32,
-# context 32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records
-# the sweep.
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8, context
+# 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records the
+# sweep.
 _DECODE_CONFIGS = {128: (32, 1, 3, 8, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
-_LAZY_RESCALE = False
+_LAZY_RESCALE = True
 
 
 @triton.jit
@@ -724,6 +724,31 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_u2(plane0, field0):
+    """2-bit uniform codes -> fp16 code - 2 (centred, see decode), one tile a call: each
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each
+    code byte (1024 + code in fp16), one subtraction per pair."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, e, o;
+        shr.b32 c, $2, $3;
+        and.b32 c, c, 0x03030303;
+        mov.b32 e, 0x64646464;
+        mov.b32 o, 0x64026402;
+        prmt.b32 $0, c, e, 0x4140;
+        prmt.b32 $1, c, e, 0x4342;
+        sub.f16x2 $0, $0, o;
+        sub.f16x2 $1, $1, o;
+        }""",
+        constraints="=r,=r,r,r,r,r,r",
+        args=[plane0, field0],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -752,6 +777,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads that share a KV head (flash-decoding).
@@ -759,7 +785,8 @@ def _decode_kernel(
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
     unnormalized output go to scratch, for _window_decode_kernel to merge (MERGE)
-    or `_decode_reduce_kernel`.
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -779,11 +806,7 @@ def _decode_kernel(
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
     key_chunk = tl.arange(0, KEY_CHUNK)
-    VALUE_CHUNK: tl.constexpr = HEAD_DIM // 4
-    VALUE_GROUPS: tl.constexpr = VALUE_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
-    # chunks per scale group where it spans several (then VALUE_GROUPS is 0)
-    VALUE_SPAN: tl.constexpr = 32 // VALUE_CHUNK
-    value_chunk = tl.arange(0, VALUE_CHUNK)
+    # value: columns in runs of its scale groups, each head_dim's own (group_dots)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
@@ -817,10 +840,39 @@ def _decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    if HEAD_DIM == 64:
+        acc_u0 = tl.zeros([GROUP_PAD, 16], tl.float32)
+        acc_u1 = tl.zeros([GROUP_PAD, 16], tl.float32)
+        acc_u2 = tl.zeros([GROUP_PAD, 16], tl.float32)
+        acc_u3 = tl.zeros([GROUP_PAD, 16], tl.float32)
+        acc_shift_0 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_1 = tl.zeros([GROUP_PAD], tl.float32)
+    elif HEAD_DIM == 128:
+        acc_u0 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u1 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u2 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u3 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_shift_0 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_1 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_2 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_3 = tl.zeros([GROUP_PAD], tl.float32)
+    elif HEAD_DIM == 256:
+        acc_u0 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u1 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u2 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u3 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u4 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u5 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u6 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_u7 = tl.zeros([GROUP_PAD, 32], tl.float32)
+        acc_shift_0 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_1 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_2 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_3 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_4 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_5 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_6 = tl.zeros([GROUP_PAD], tl.float32)
+        acc_shift_7 = tl.zeros([GROUP_PAD], tl.float32)
 
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
@@ -835,6 +887,95 @@ def _decode_kernel(
     row = (
         block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     )
+
+    key_first = tl.max(tl.where(valid, row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0)
+    index = (key_chunk) * 2
+    key_scale_0_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (key_chunk) * 2 + 1
+    key_zero_0_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (1 * KEY_CHUNK + key_chunk) * 2
+    key_scale_1_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+    key_zero_1_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (2 * KEY_CHUNK + key_chunk) * 2
+    key_scale_2_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+    key_zero_2_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (3 * KEY_CHUNK + key_chunk) * 2
+    key_scale_3_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+    index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+    key_zero_3_raw = tl.load(
+        key_meta_ptr + (
+            key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+        ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+        mask=(key_chunk >= 0) & (key_first >= 0),
+        other=0.0,
+    )
+
+    value_scale_0_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 0, mask=valid, other=0.0)
+    value_zero_0_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 1, mask=valid, other=0.0)
+    value_scale_1_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 2, mask=valid, other=0.0)
+    value_zero_1_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 3, mask=valid, other=0.0)
+    if HEAD_DIM > 64:
+        value_scale_2_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 4, mask=valid, other=0.0)
+        value_zero_2_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 5, mask=valid, other=0.0)
+    if HEAD_DIM > 96:
+        value_scale_3_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 6, mask=valid, other=0.0)
+        value_zero_3_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 7, mask=valid, other=0.0)
+    if HEAD_DIM > 128:
+        value_scale_4_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 8, mask=valid, other=0.0)
+        value_zero_4_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 9, mask=valid, other=0.0)
+    if HEAD_DIM > 160:
+        value_scale_5_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 10, mask=valid, other=0.0)
+        value_zero_5_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 11, mask=valid, other=0.0)
+    if HEAD_DIM > 192:
+        value_scale_6_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 12, mask=valid, other=0.0)
+        value_zero_6_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 13, mask=valid, other=0.0)
+    if HEAD_DIM > 224:
+        value_scale_7_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 14, mask=valid, other=0.0)
+        value_zero_7_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 15, mask=valid, other=0.0)
 
     position += BLOCK_N
     block_next = tl.load(
@@ -852,6 +993,162 @@ def _decode_kernel(
                 + kv_head * HEAD_STRIDE
             )
 
+            key_first_next = tl.max(
+                tl.where(valid_next, row_next - (row_next // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1),
+                axis=0,
+            )
+            index = (key_chunk) * 2
+            key_scale_0_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (key_chunk) * 2 + 1
+            key_zero_0_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (1 * KEY_CHUNK + key_chunk) * 2
+            key_scale_1_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+            key_zero_1_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (2 * KEY_CHUNK + key_chunk) * 2
+            key_scale_2_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+            key_zero_2_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (3 * KEY_CHUNK + key_chunk) * 2
+            key_scale_3_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+            index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+            key_zero_3_next = tl.load(
+                key_meta_ptr + (
+                    key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
+                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
+                mask=(key_chunk >= 0) & (key_first_next >= 0),
+                other=0.0,
+            )
+
+            value_scale_0_next = tl.load(
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 0,
+                mask=valid_next,
+                other=0.0,
+            )
+            value_zero_0_next = tl.load(
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 1,
+                mask=valid_next,
+                other=0.0,
+            )
+            value_scale_1_next = tl.load(
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 2,
+                mask=valid_next,
+                other=0.0,
+            )
+            value_zero_1_next = tl.load(
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 3,
+                mask=valid_next,
+                other=0.0,
+            )
+            if HEAD_DIM > 64:
+                value_scale_2_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 4,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_2_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 5,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 96:
+                value_scale_3_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 6,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_3_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 7,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 128:
+                value_scale_4_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_4_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 160:
+                value_scale_5_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_5_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 192:
+                value_scale_6_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_6_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13,
+                    mask=valid_next,
+                    other=0.0,
+                )
+            if HEAD_DIM > 224:
+                value_scale_7_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14,
+                    mask=valid_next,
+                    other=0.0,
+                )
+                value_zero_7_next = tl.load(
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15,
+                    mask=valid_next,
+                    other=0.0,
+                )
+
             position += BLOCK_N
             block_next = tl.load(
                 block_tables_ptr + seq * stride_block_table + position // BLOCK_SIZE,
@@ -864,118 +1161,52 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
-
-            key_first = tl.max(tl.where(valid, row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0)
-            code = key_bytes_0_0 & 3
-
-            level = code.to(tl.float32)
-
-            index = (key_chunk) * 2
-            scale = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-            index = (key_chunk) * 2 + 1
-            zero = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-
-            dots = _mm(
-                (query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE),
-                tl.trans(level.to(DOT_DTYPE)),
-                DOT_PRECISION,
             )
-            query_zero = tl.sum(query_0.to(tl.float32) * zero[None, :], axis=1)
-            code = (key_bytes_0_0 >> 2) & 3
 
-            level = code.to(tl.float32)
+            if not FAST_UNPACK:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
 
-            index = (1 * KEY_CHUNK + key_chunk) * 2
-            scale = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
-            zero = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-
-            dots += _mm(
-                (query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE),
-                tl.trans(level.to(DOT_DTYPE)),
-                DOT_PRECISION,
-            )
-            query_zero += tl.sum(query_1.to(tl.float32) * zero[None, :], axis=1)
-            code = (key_bytes_0_0 >> 4) & 3
-
-            level = code.to(tl.float32)
-
-            index = (2 * KEY_CHUNK + key_chunk) * 2
-            scale = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-            index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
-            zero = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-
-            dots += _mm(
-                (query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE),
-                tl.trans(level.to(DOT_DTYPE)),
-                DOT_PRECISION,
-            )
-            query_zero += tl.sum(query_2.to(tl.float32) * zero[None, :], axis=1)
-            code = (key_bytes_0_0 >> 6) & 3
-
-            level = code.to(tl.float32)
-
-            index = (3 * KEY_CHUNK + key_chunk) * 2
-            scale = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-            index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
-            zero = tl.load(
-                key_meta_ptr + (
-                    key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
-                ) * (HEAD_DIM // 32 * 2) + index % (HEAD_DIM // 32 * 2),
-                mask=(key_chunk >= 0) & (key_first >= 0),
-                other=0.0,
-            ).to(tl.float32)
-
-            dots += _mm(
-                (query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE),
-                tl.trans(level.to(DOT_DTYPE)),
-                DOT_PRECISION,
-            )
-            query_zero += tl.sum(query_3.to(tl.float32) * zero[None, :], axis=1)
-            dots += query_zero[:, None]
+            if FAST_UNPACK:
+                tile_0 = _unpack_u2(key_bytes_0_0, 0)
+            else:
+                code = key_bytes_0_0 & 3
+                level = code.to(tl.float32)
+                tile_0 = (level - 2).to(DOT_DTYPE)
+            scale = key_scale_0_raw.to(tl.float32)
+            zero = key_zero_0_raw.to(tl.float32)
+            dots = _mm((query_0.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_0), DOT_PRECISION)
+            query_shift = query_0.to(tl.float32) * (zero + 2 * scale)[None, :]
+            if FAST_UNPACK:
+                tile_1 = _unpack_u2(key_bytes_0_0, 2)
+            else:
+                code = (key_bytes_0_0 >> 2) & 3
+                level = code.to(tl.float32)
+                tile_1 = (level - 2).to(DOT_DTYPE)
+            scale = key_scale_1_raw.to(tl.float32)
+            zero = key_zero_1_raw.to(tl.float32)
+            dots += _mm((query_1.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_1), DOT_PRECISION)
+            query_shift += query_1.to(tl.float32) * (zero + 2 * scale)[None, :]
+            if FAST_UNPACK:
+                tile_2 = _unpack_u2(key_bytes_0_0, 4)
+            else:
+                code = (key_bytes_0_0 >> 4) & 3
+                level = code.to(tl.float32)
+                tile_2 = (level - 2).to(DOT_DTYPE)
+            scale = key_scale_2_raw.to(tl.float32)
+            zero = key_zero_2_raw.to(tl.float32)
+            dots += _mm((query_2.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_2), DOT_PRECISION)
+            query_shift += query_2.to(tl.float32) * (zero + 2 * scale)[None, :]
+            if FAST_UNPACK:
+                tile_3 = _unpack_u2(key_bytes_0_0, 6)
+            else:
+                code = (key_bytes_0_0 >> 6) & 3
+                level = code.to(tl.float32)
+                tile_3 = (level - 2).to(DOT_DTYPE)
+            scale = key_scale_3_raw.to(tl.float32)
+            zero = key_zero_3_raw.to(tl.float32)
+            dots += _mm((query_3.to(tl.float32) * scale[None, :]).to(DOT_DTYPE), tl.trans(tile_3), DOT_PRECISION)
+            query_shift += query_3.to(tl.float32) * (zero + 2 * scale)[None, :]
+            dots += tl.sum(query_shift, axis=1)[:, None]
 
             scores = dots
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -985,174 +1216,340 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_0 *= alpha[:, None]
-                acc_1 *= alpha[:, None]
-                acc_2 *= alpha[:, None]
-                acc_3 *= alpha[:, None]
+                if HEAD_DIM == 64:
+                    acc_u0 *= alpha[:, None]
+                    acc_u1 *= alpha[:, None]
+                    acc_u2 *= alpha[:, None]
+                    acc_u3 *= alpha[:, None]
+                    acc_shift_0 *= alpha
+                    acc_shift_1 *= alpha
+                elif HEAD_DIM == 128:
+                    acc_u0 *= alpha[:, None]
+                    acc_u1 *= alpha[:, None]
+                    acc_u2 *= alpha[:, None]
+                    acc_u3 *= alpha[:, None]
+                    acc_shift_0 *= alpha
+                    acc_shift_1 *= alpha
+                    acc_shift_2 *= alpha
+                    acc_shift_3 *= alpha
+                elif HEAD_DIM == 256:
+                    acc_u0 *= alpha[:, None]
+                    acc_u1 *= alpha[:, None]
+                    acc_u2 *= alpha[:, None]
+                    acc_u3 *= alpha[:, None]
+                    acc_u4 *= alpha[:, None]
+                    acc_u5 *= alpha[:, None]
+                    acc_u6 *= alpha[:, None]
+                    acc_u7 *= alpha[:, None]
+                    acc_shift_0 *= alpha
+                    acc_shift_1 *= alpha
+                    acc_shift_2 *= alpha
+                    acc_shift_3 *= alpha
+                    acc_shift_4 *= alpha
+                    acc_shift_5 *= alpha
+                    acc_shift_6 *= alpha
+                    acc_shift_7 *= alpha
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
 
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
-            value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            ).to(tl.int32)
-
-            weights = p.to(DOT_DTYPE)
-            code = value_bytes_0_0 & 3
-
-            level = code.to(tl.float32)
-
-            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-                group = tl.arange(0, VALUE_GROUPS)
-                scale = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
+            if HEAD_DIM == 64:
+                value_bytes_0_0 = tl.load(
+                    value_codes_ptr + row[:, None] * 16 + 0 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
+                    other=0,
+                )
+                scale = value_scale_0_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_0_raw.to(tl.float32)
+                acc_shift_0 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u2(value_bytes_0_0, 0)
+                else:
+                    code = value_bytes_0_0.to(tl.int32) & 3
+                    tile_0 = (code - 2).to(DOT_DTYPE)
+                acc_u0 = _mm(weights, tile_0, DOT_PRECISION, acc_u0)
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u2(value_bytes_0_0, 2)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 2) & 3
+                    tile_1 = (code - 2).to(DOT_DTYPE)
+                acc_u1 = _mm(weights, tile_1, DOT_PRECISION, acc_u1)
+                scale = value_scale_1_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_1_raw.to(tl.float32)
+                acc_shift_1 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u2(value_bytes_0_0, 4)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 4) & 3
+                    tile_2 = (code - 2).to(DOT_DTYPE)
+                acc_u2 = _mm(weights, tile_2, DOT_PRECISION, acc_u2)
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u2(value_bytes_0_0, 6)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 6) & 3
+                    tile_3 = (code - 2).to(DOT_DTYPE)
+                acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
+            elif HEAD_DIM == 128:
+                value_bytes_0_0 = tl.load(
+                    value_codes_ptr + row[:, None] * 32 + 0 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-            else:  # head_dim 64: chunk 0 lies in group 0 // VALUE_SPAN
-                scale = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None] + zero[:, None]
-
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 2) & 3
-
-            level = code.to(tl.float32)
-
-            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-                group = 1 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-                scale = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
+                    other=0,
+                )
+                scale = value_scale_0_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_0_raw.to(tl.float32)
+                acc_shift_0 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u2(value_bytes_0_0, 0)
+                else:
+                    code = value_bytes_0_0.to(tl.int32) & 3
+                    tile_0 = (code - 2).to(DOT_DTYPE)
+                acc_u0 = _mm(weights, tile_0, DOT_PRECISION, acc_u0)
+                scale = value_scale_1_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_1_raw.to(tl.float32)
+                acc_shift_1 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u2(value_bytes_0_0, 2)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 2) & 3
+                    tile_1 = (code - 2).to(DOT_DTYPE)
+                acc_u1 = _mm(weights, tile_1, DOT_PRECISION, acc_u1)
+                scale = value_scale_2_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_2_raw.to(tl.float32)
+                acc_shift_2 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u2(value_bytes_0_0, 4)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 4) & 3
+                    tile_2 = (code - 2).to(DOT_DTYPE)
+                acc_u2 = _mm(weights, tile_2, DOT_PRECISION, acc_u2)
+                scale = value_scale_3_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_3_raw.to(tl.float32)
+                acc_shift_3 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u2(value_bytes_0_0, 6)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 6) & 3
+                    tile_3 = (code - 2).to(DOT_DTYPE)
+                acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
+            elif HEAD_DIM == 256:
+                value_bytes_0_0 = tl.load(
+                    value_codes_ptr + row[:, None] * 64 + 0 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
+                    other=0,
+                )
+                value_bytes_0_1 = tl.load(
+                    value_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-            else:  # head_dim 64: chunk 1 lies in group 1 // VALUE_SPAN
-                scale = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None] + zero[:, None]
-
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 4) & 3
-
-            level = code.to(tl.float32)
-
-            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-                group = 2 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-                scale = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                    mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                    mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-            else:  # head_dim 64: chunk 2 lies in group 2 // VALUE_SPAN
-                scale = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None] + zero[:, None]
-
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 6) & 3
-
-            level = code.to(tl.float32)
-
-            if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-                group = 3 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
-                scale = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-                    mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-                    mask=valid[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                tile = tl.reshape(level, [BLOCK_N, VALUE_GROUPS, 32]) * scale[:, :, None]
-                tile = tl.reshape(tile + zero[:, :, None], [BLOCK_N, VALUE_CHUNK])
-            else:  # head_dim 64: chunk 3 lies in group 3 // VALUE_SPAN
-                scale = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                zero = tl.load(
-                    value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1,
-                    mask=valid,
-                    other=0.0,
-                ).to(tl.float32)
-                tile = level * scale[:, None] + zero[:, None]
-
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+                    other=0,
+                )
+                scale = value_scale_0_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_0_raw.to(tl.float32)
+                acc_shift_0 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_0 = _unpack_u2(value_bytes_0_0, 0)
+                else:
+                    code = value_bytes_0_0.to(tl.int32) & 3
+                    tile_0 = (code - 2).to(DOT_DTYPE)
+                acc_u0 = _mm(weights, tile_0, DOT_PRECISION, acc_u0)
+                scale = value_scale_1_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_1_raw.to(tl.float32)
+                acc_shift_1 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_1 = _unpack_u2(value_bytes_0_1, 0)
+                else:
+                    code = value_bytes_0_1.to(tl.int32) & 3
+                    tile_1 = (code - 2).to(DOT_DTYPE)
+                acc_u1 = _mm(weights, tile_1, DOT_PRECISION, acc_u1)
+                scale = value_scale_2_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_2_raw.to(tl.float32)
+                acc_shift_2 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_2 = _unpack_u2(value_bytes_0_0, 2)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 2) & 3
+                    tile_2 = (code - 2).to(DOT_DTYPE)
+                acc_u2 = _mm(weights, tile_2, DOT_PRECISION, acc_u2)
+                scale = value_scale_3_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_3_raw.to(tl.float32)
+                acc_shift_3 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_3 = _unpack_u2(value_bytes_0_1, 2)
+                else:
+                    code = (value_bytes_0_1.to(tl.int32) >> 2) & 3
+                    tile_3 = (code - 2).to(DOT_DTYPE)
+                acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
+                scale = value_scale_4_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_4_raw.to(tl.float32)
+                acc_shift_4 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_4 = _unpack_u2(value_bytes_0_0, 4)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 4) & 3
+                    tile_4 = (code - 2).to(DOT_DTYPE)
+                acc_u4 = _mm(weights, tile_4, DOT_PRECISION, acc_u4)
+                scale = value_scale_5_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_5_raw.to(tl.float32)
+                acc_shift_5 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_5 = _unpack_u2(value_bytes_0_1, 4)
+                else:
+                    code = (value_bytes_0_1.to(tl.int32) >> 4) & 3
+                    tile_5 = (code - 2).to(DOT_DTYPE)
+                acc_u5 = _mm(weights, tile_5, DOT_PRECISION, acc_u5)
+                scale = value_scale_6_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_6_raw.to(tl.float32)
+                acc_shift_6 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_6 = _unpack_u2(value_bytes_0_0, 6)
+                else:
+                    code = (value_bytes_0_0.to(tl.int32) >> 6) & 3
+                    tile_6 = (code - 2).to(DOT_DTYPE)
+                acc_u6 = _mm(weights, tile_6, DOT_PRECISION, acc_u6)
+                scale = value_scale_7_raw.to(tl.float32)
+                weights = (p * scale[None, :]).to(DOT_DTYPE)
+                zero = value_zero_7_raw.to(tl.float32)
+                acc_shift_7 += tl.sum(p * (zero + 2 * scale)[None, :], axis=1)
+                if FAST_UNPACK:
+                    tile_7 = _unpack_u2(value_bytes_0_1, 6)
+                else:
+                    code = (value_bytes_0_1.to(tl.int32) >> 6) & 3
+                    tile_7 = (code - 2).to(DOT_DTYPE)
+                acc_u7 = _mm(weights, tile_7, DOT_PRECISION, acc_u7)
 
             row = row_next
             valid = valid_next
+            key_scale_0_raw = key_scale_0_next
+            key_zero_0_raw = key_zero_0_next
+            key_scale_1_raw = key_scale_1_next
+            key_zero_1_raw = key_zero_1_next
+            key_scale_2_raw = key_scale_2_next
+            key_zero_2_raw = key_zero_2_next
+            key_scale_3_raw = key_scale_3_next
+            key_zero_3_raw = key_zero_3_next
+            value_scale_0_raw = value_scale_0_next
+            value_zero_0_raw = value_zero_0_next
+            value_scale_1_raw = value_scale_1_next
+            value_zero_1_raw = value_zero_1_next
+            if HEAD_DIM > 64:
+                value_scale_2_raw = value_scale_2_next
+                value_zero_2_raw = value_zero_2_next
+            if HEAD_DIM > 96:
+                value_scale_3_raw = value_scale_3_next
+                value_zero_3_raw = value_zero_3_next
+            if HEAD_DIM > 128:
+                value_scale_4_raw = value_scale_4_next
+                value_zero_4_raw = value_zero_4_next
+            if HEAD_DIM > 160:
+                value_scale_5_raw = value_scale_5_next
+                value_zero_5_raw = value_zero_5_next
+            if HEAD_DIM > 192:
+                value_scale_6_raw = value_scale_6_next
+                value_zero_6_raw = value_zero_6_next
+            if HEAD_DIM > 224:
+                value_scale_7_raw = value_scale_7_next
+                value_zero_7_raw = value_zero_7_next
 
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
-    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
-        acc_2,
-        mask=q_valid[:, None],
-    )
-    tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 3 * VALUE_CHUNK + value_chunk[None, :],
-        acc_3,
-        mask=q_valid[:, None],
-    )
+    if HEAD_DIM == 64:
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 16)[None, :],
+            acc_u0 + acc_shift_0[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 16 + tl.arange(0, 16)[None, :],
+            acc_u1 + acc_shift_0[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 32 + tl.arange(0, 16)[None, :],
+            acc_u2 + acc_shift_1[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 48 + tl.arange(0, 16)[None, :],
+            acc_u3 + acc_shift_1[:, None],
+            mask=q_valid[:, None],
+        )
+    elif HEAD_DIM == 128:
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            acc_u0 + acc_shift_0[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
+            acc_u1 + acc_shift_1[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
+            acc_u2 + acc_shift_2[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
+            acc_u3 + acc_shift_3[:, None],
+            mask=q_valid[:, None],
+        )
+    elif HEAD_DIM == 256:
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            acc_u0 + acc_shift_0[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
+            acc_u1 + acc_shift_1[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
+            acc_u2 + acc_shift_2[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
+            acc_u3 + acc_shift_3[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
+            acc_u4 + acc_shift_4[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
+            acc_u5 + acc_shift_5[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
+            acc_u6 + acc_shift_6[:, None],
+            mask=q_valid[:, None],
+        )
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
+            acc_u7 + acc_shift_7[:, None],
+            mask=q_valid[:, None],
+        )
 
 
 @triton.jit
@@ -2435,6 +2832,7 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages,

@@ -742,14 +742,18 @@ def test_explain_turbo_k4v2(capsys):
 
 def test_explain_says_why_a_side_decodes_on_the_portable_path(capsys):
     """Where decode reads a side without a PTX helper, `kvqc explain` says so and why (SideLayout.portable_reason);
-    a side with one names its helper."""
-    assert main(["explain", str(SCHEME_DIR / "kivi_k2v2.yaml")]) == 0
+    a side with one names its helper, and where its scales go."""
+    assert main(["explain", str(SCHEME_DIR / "fp8_e4m3.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "key: portable unpacking (shift, mask and select trees: per-channel scales)" in out
-    assert "value: portable unpacking (shift, mask and select trees: scales per group of channels on values)" in out
+    assert "key: portable unpacking (shift, mask and select trees: fp8 codes, which the hardware converts)" in out
     assert main(["explain", str(SCHEME_DIR / "int4_token.yaml")]) == 0
     out = capsys.readouterr().out
     assert "portable" not in out and "key: PTX unpacking (u4" in out
+    assert main(["explain", str(SCHEME_DIR / "kivi_k2v2.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "key: PTX unpacking (u2) on NVIDIA; per-channel scales shared by 32 tokens, folded into the query" in out
+    assert ("value: PTX unpacking (u2) on NVIDIA; scales per group of 32 channels, one dot per group, applied to the "
+            "probabilities") in out
 
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.

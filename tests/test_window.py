@@ -268,8 +268,8 @@ def test_window_arguments_are_checked(name, monkeypatch):
 
 
 def test_lazy_rescale_matches_eager(monkeypatch):
-    # kivi_k2v2's per-channel groups take their own accumulation (scales after the dot); LAZY_RESCALE must not
-    # change its result either.
+    # kivi_k2v2's V group dots keep an accumulator per unit and a shift per group, which the rescaling must all
+    # reach; LAZY_RESCALE must not change its result either.
     m = generated("kivi_k2v2")
     e = Engine(m, m.HEAD_DIMS[0], max(16, group_tokens(m)), 2, [m.WINDOW + 150, 40], torch.float32, 5)
     cache = e.allocate()

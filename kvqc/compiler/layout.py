@@ -503,15 +503,17 @@ class SideLayout:
         trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
         "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
         are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
-        and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max codes a norm. Padded
-        chunks, per-channel scales, V's scale groups, QJL, residuals over several planes, absmax scales per token
-        and Lloyd-Max codebooks of more than 16 entries keep the portable path."""
+        and zero per token, or scales that stay outside the tiles: per group of channels (group_dots) or K's per
+        channel (channel_dots); Lloyd-Max codes a norm. Padded chunks, V's per-channel scales, scale groups without
+        group_dots, QJL, residuals over several planes, absmax scales per token and Lloyd-Max codebooks of more than
+        16 entries keep the portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
-        if self.padded or self.per_channel or (self.group_size and not self.group_dots):
+        if self.padded or (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
             return ""
         one_plane = len(self.planes) == 1
-        if kind == "uniform" and residual == "none" and (s.scale.kind == "minmax" or self.group_dots):
+        outside = self.group_dots or self.channel_dots
+        if kind == "uniform" and residual == "none" and (s.scale.kind == "minmax" or outside):
             return f"u{bits}"
         if kind == "lloyd_max" and residual == "none" and (bits in (1, 3) or (bits in (2, 4) and one_plane)):
             return f"lut{bits}"
@@ -532,21 +534,46 @@ class SideLayout:
         one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a 32-column one
         row-major in 16-byte stores. Chunks 2k and 2k + 1 read the same bytes of the narrowest plane (fields 2k and
         2k + 1) and adjacent byte runs, at one field, of every other plane."""
-        if self.base != "value" or not self.plane_unpack or self.split or self.chunks < 2:
+        if self.base != "value" or not self.plane_unpack or self.split or self.chunks < 2 or self.group_dots:
             return False
         return any(self.part_dim(d) // self.chunks < 32 for d in self.head_dims)
 
     @property
     def group_dots(self) -> bool:
-        """K with scales per group of channels: decode takes one dot per run of `unit(d)` columns (a group, or the
-        chunk where a group spans several) against the matching query columns, and multiplies each group's dots by
-        its scale per token (plus its zero times the query's sum over the group), so tiles stay integer codes.
-        Needs units of 16 columns or more (tl.dot's smallest K) at every head_dim, uniform codes and a whole side."""
-        if self.base != "key" or not self.group_size or self.per_channel or self.split or self.padded:
+        """Scales per group of channels stay outside the tiles, which stay integer codes: decode takes one dot per run
+        of `unit(d)` columns (a group, or the chunk where a group spans several). K dots each unit with the matching
+        query columns and multiplies each group's dots by its scale per token (plus its zero times the query's sum
+        over the group); V scales the probabilities by each group's scale before its units' dots, one accumulator
+        per unit, and sums the probabilities against the group's level_shift apart. Needs units of 16 columns or
+        more (tl.dot's smallest K for K, its smallest N for V) at every head_dim, uniform codes and a whole side."""
+        if not self.group_size or self.per_channel or self.split or self.padded:
             return False
         if self.scheme.codebook.kind != "uniform":
             return False
         return all(self.unit(d) >= 16 for d in self.head_dims)
+
+    @property
+    def channel_dots(self) -> bool:
+        """K with per-channel scales shared by a token group of 16 or more: decode's tiles lie inside one group (the
+        plan caps BLOCK_N at it), so a chunk's scales are one vector, loaded a tile ahead, that folds into the query
+        (q * scale dotted with the tiles, plus <q, level_shift>) and never multiplies the tiles. V's per-channel
+        scales keep their own accumulation (scales after the dot) on the portable path."""
+        return self.base == "key" and self.per_channel and self.token_group >= 16
+
+    @property
+    def tile_level(self) -> int:
+        """What a uniform tile of channel_dots or group_dots (code - code_centre, the PTX helpers' form, on either
+        path) lacks of its level: code_centre less the grid's offset (minmax 2**(bits-1), absmax 1); 0 for fp8 codes,
+        whose tiles are their levels."""
+        return self.code_centre - self.grid_offset if self.scheme.codebook.kind == "uniform" else 0
+
+    def level_shift(self, scale: str, zero: str) -> str:
+        """What a channel (channel_dots) or a group (group_dots on V) adds per unit of query or probability to the dot
+        of its tiles: its zero (minmax) and tile_level times its scale, as an operand (a sum in parentheses); ""
+        where that is nothing (fp8 codes)."""
+        terms = [zero] if self.scale_kind == "minmax" else []
+        terms += [f"{self.tile_level} * {scale}" if self.tile_level != 1 else scale] if self.tile_level else []
+        return f"({' + '.join(terms)})" if len(terms) > 1 else "".join(terms)
 
     def unit(self, head_dim: int) -> int:
         """Columns of one group_dots tile at head_dim: the scale group, or the chunk where a group spans chunks."""
@@ -583,7 +610,7 @@ class SideLayout:
         """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
         a word of a token and one of the next make eight such pairs with four prmt. u8 and lut2 codes gain nothing
         from words."""
-        whole = self.base == "value" and not self.split and min(self.head_dims) >= 64
+        whole = self.base == "value" and not self.split and not self.group_dots and min(self.head_dims) >= 64
         return "u4" if whole and self.fast_unpack == "u4" else ""
 
     @property
@@ -603,10 +630,14 @@ class SideLayout:
         kind, bits, residual = s.codebook.kind, s.codebook.bits, s.residual.kind
         if self.padded:
             return "chunks padded to a power of two"
-        if self.per_channel:
-            return "per-channel scales"
+        if self.per_channel and not self.channel_dots:
+            if self.base == "value":
+                return "per-channel scales on values"
+            return "per-channel scales shared by fewer than 16 tokens"
         if self.group_size:
-            return "scales per group of channels on values"
+            if self.split:
+                return "scales per group of channels in a channel split"
+            return "scales per group of channels on fp8 codes" if kind == "fp8" else "scale groups under 16 columns"
         if residual == "qjl":
             return "a QJL residual"
         if kind == "fp8":
@@ -624,10 +655,14 @@ class SideLayout:
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"
-        if self.per_channel:
-            scales = f"per-channel scales shared by {self.token_group} tokens, factored out of the dots"
+        if self.channel_dots:
+            scales = f"per-channel scales shared by {self.token_group} tokens, folded into the query"
+        elif self.per_channel:
+            where = "applied to the dots' columns" if self.token_group >= 16 else "applied to every element"
+            scales = f"per-channel scales shared by {self.token_group} tokens, {where}"
         elif self.group_dots:
-            scales = f"scales per group of {self.group_size} channels, one dot per group, applied to the scores"
+            applied = "the scores" if self.base == "key" else "the probabilities"
+            scales = f"scales per group of {self.group_size} channels, one dot per group, applied to {applied}"
         elif self.group_size:
             scales = f"scales per group of {self.group_size} channels, loaded per chunk and applied to every element"
         elif self.row_factor:

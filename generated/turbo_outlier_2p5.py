@@ -69,7 +69,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key_outlier": "lut4", "key": "portable", "value_outlier": "lut4", "value": "portable"}
+DECODE_UNPACK = {"key_outlier": "lut4", "key": "lut2", "value_outlier": "lut4", "value": "lut2"}
 KEY_OUTLIER_CODE_BITS = 4
 KEY_OUTLIER_METADATA = ('norm',)
 KEY_OUTLIERS = 0.25  # share of head_dim's channels quantized apart, with the codebook below
@@ -1481,6 +1481,48 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2(codes, lo, hi):
+    """Four 2-bit indices per byte -> fp16 codebook entries for chunks 0..3 (bits 0, 2, 4, 6).
+
+    lo / hi hold the low / high bytes of the four entries; selector nibbles (i0, i0 + 4, i1, i1 + 4), made by one
+    multiply-add from the index bytes, make one prmt return the entries of two indices.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, s, t;
+        and.b32 a, $8, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $0, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $1, $9, $13, t;
+        shr.b32 a, $8, 2;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $2, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $3, $9, $13, t;
+        shr.b32 a, $8, 4;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $4, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $5, $9, $13, t;
+        shr.b32 a, $8, 6;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $6, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $7, $9, $13, t;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[codes, lo, hi],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_lut4(codes, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3):
     """Two 4-bit indices per byte -> fp16 entries: prmt looks up 0..7 and 8..15 by the low three bits, then the
     fourth bit picks one of the two bytes (a 0x00 / 0xff mask and one lop3)."""
@@ -1545,6 +1587,7 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_outlier_codes_ptr,
     value_outlier_meta_ptr,
     value_outlier_matrix_ptr,
@@ -1556,6 +1599,7 @@ def _decode_kernel(
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_outlier_out_ptr,
     partial_out_ptr,
     partial_max_ptr,
@@ -1718,6 +1762,9 @@ def _decode_kernel(
         key_outlier_lut_6 = tl.load(key_outlier_lut_ptr + 6)
         key_outlier_lut_7 = tl.load(key_outlier_lut_ptr + 7)
 
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+
         value_outlier_lut_0 = tl.load(value_outlier_lut_ptr + 0)
         value_outlier_lut_1 = tl.load(value_outlier_lut_ptr + 1)
         value_outlier_lut_2 = tl.load(value_outlier_lut_ptr + 2)
@@ -1726,6 +1773,9 @@ def _decode_kernel(
         value_outlier_lut_5 = tl.load(value_outlier_lut_ptr + 5)
         value_outlier_lut_6 = tl.load(value_outlier_lut_ptr + 6)
         value_outlier_lut_7 = tl.load(value_outlier_lut_ptr + 7)
+
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
 
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -1865,42 +1915,51 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (KEY_DIM * 2 // 8) + key_chunk[None, :],
                 mask=valid[:, None] & key_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
 
-            code = key_bytes_0_0 & 3
+            if FAST_UNPACK:
+                tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(key_bytes_0_0, key_lut_0, key_lut_1)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = tl.dot(query_0, tl.trans(tile_0))
+                dots += tl.dot(query_1, tl.trans(tile_1))
+                dots += tl.dot(query_2, tl.trans(tile_2))
+                dots += tl.dot(query_3, tl.trans(tile_3))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                code = key_bytes_0_0 & 3
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 2) & 3
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 3
 
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 6) & 3
 
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
+
+                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores += dots * key_norm[None, :]
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1995,43 +2054,52 @@ def _decode_kernel(
                 value_codes_ptr + row[:, None] * (VALUE_DIM * 2 // 8) + value_chunk[None, :],
                 mask=valid[:, None] & value_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 3
+            if FAST_UNPACK:
+                tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = tl.dot(weights, tile_0, acc_0)
+                acc_1 = tl.dot(weights, tile_1, acc_1)
+                acc_2 = tl.dot(weights, tile_2, acc_2)
+                acc_3 = tl.dot(weights, tile_3, acc_3)
+            else:
+                value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+                code = value_bytes_0_0 & 3
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 2) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+                code = (value_bytes_0_0 >> 2) & 3
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 4) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+                code = (value_bytes_0_0 >> 4) & 3
 
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 6) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+                code = (value_bytes_0_0 >> 6) & 3
 
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
+
+                acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 
             row = row_next
             valid = valid_next
@@ -2212,6 +2280,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[head_dim], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value_outlier
     d = _part_dims(head_dim)["value_outlier"]  # the channels this part quantizes
@@ -2245,6 +2314,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[head_dim], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -3106,6 +3176,7 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_outlier_codes,
         cache.value_outlier_meta,
         tables["value_outlier_matrix"],
@@ -3117,6 +3188,7 @@ def decode(
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partials["value_outlier"],
         partials["value"],
         partial_max,

@@ -503,12 +503,15 @@ class SideLayout:
         trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
         "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
         are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
-        and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max codes a norm. Padded
-        chunks, per-channel scales, V's scale groups, QJL, residuals over several planes, absmax scales per token
-        and Lloyd-Max codebooks of more than 16 entries keep the portable path."""
+        and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max codes a norm.
+        Per-channel scales, V's scale groups, QJL, residuals over several planes, absmax scales per token and
+        Lloyd-Max codebooks of more than 16 entries keep the portable path. Chunks padded to a power of two take
+        the helpers as whole ones do: the load masks the padding columns' bytes to 0, and what code 0 decodes to
+        there (a finite codebook entry or grid level) meets zeros: K's padded query columns, and the padding rows
+        of V's way back (the matrix's, or the positions the wrapper keeps), as on the portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
-        if self.padded or self.per_channel or (self.group_size and not self.group_dots):
+        if self.per_channel or (self.group_size and not self.group_dots):
             return ""
         one_plane = len(self.planes) == 1
         if kind == "uniform" and residual == "none" and (s.scale.kind == "minmax" or self.group_dots):
@@ -531,8 +534,9 @@ class SideLayout:
         columns at some head_dim: Triton 3.6 stages a 16-column tl.dot B operand through shared memory column-major,
         one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a 32-column one
         row-major in 16-byte stores. Chunks 2k and 2k + 1 read the same bytes of the narrowest plane (fields 2k and
-        2k + 1) and adjacent byte runs, at one field, of every other plane."""
-        if self.base != "value" or not self.plane_unpack or self.split or self.chunks < 2:
+        2k + 1) and adjacent byte runs, at one field, of every other plane. Not with padded chunks, whose pair would
+        hold the lower chunk's padding in its middle."""
+        if self.base != "value" or not self.plane_unpack or self.split or self.padded or self.chunks < 2:
             return False
         return any(self.part_dim(d) // self.chunks < 32 for d in self.head_dims)
 
@@ -582,8 +586,8 @@ class SideLayout:
     def word_unpack(self) -> str:
         """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
         a word of a token and one of the next make eight such pairs with four prmt. u8 and lut2 codes gain nothing
-        from words."""
-        whole = self.base == "value" and not self.split and min(self.head_dims) >= 64
+        from words, and a padded chunk's columns are no run of whole words."""
+        whole = self.base == "value" and not self.split and not self.padded and min(self.head_dims) >= 64
         return "u4" if whole and self.fast_unpack == "u4" else ""
 
     @property
@@ -601,8 +605,6 @@ class SideLayout:
             return ""
         s = self.scheme
         kind, bits, residual = s.codebook.kind, s.codebook.bits, s.residual.kind
-        if self.padded:
-            return "chunks padded to a power of two"
         if self.per_channel:
             return "per-channel scales"
         if self.group_size:

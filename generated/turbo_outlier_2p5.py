@@ -2141,26 +2141,100 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _query_parts_kernel(
+    query_ptr,
+    key_channels_ptr,
+    key_outlier_rotation_ptr,
+    query_outlier_out_ptr,
+    key_rotation_ptr,
+    query_out_ptr,
+    rows,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEY_OUTLIER_DIM: tl.constexpr,
+    KEY_OUTLIER_OFFSET: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    KEY_PAD: tl.constexpr,
+    VALUE_OUTLIER_DIM: tl.constexpr,
+    VALUE_OUTLIER_OFFSET: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """ROWS query rows, in the model's dtype, into each key part's position order in float32 for `_decode_kernel`:
+    a part's channels gathered from the row (its KV head's order where the side is split), then its rotation as a
+    dot, or its padded positions."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    real = row < rows
+    kv_head = (row // GROUP % NUM_KV_HEADS)[:, None]
+    # key_outlier
+    pos = tl.arange(0, KEY_OUTLIER_DIM)
+    column = pos
+    inside = pos < KEY_OUTLIER_DIM
+    mask = real[:, None] & inside[None, :]
+    column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + column[None, :], mask=mask, other=0)
+    x = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+    matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + pos[None, :])
+    x = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    tl.store(query_outlier_out_ptr + row[:, None] * KEY_OUTLIER_DIM + pos[None, :], x, mask=real[:, None])
+    # key
+    pos = tl.arange(0, KEY_PAD)
+    column = pos
+    inside = pos < KEY_DIM
+    mask = real[:, None] & inside[None, :]
+    column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + column[None, :], mask=mask, other=0)
+    x = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+    matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + pos[None, :])
+    x = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    tl.store(query_out_ptr + row[:, None] * KEY_PAD + pos[None, :], x, mask=real[:, None])
+
+
+@triton.jit
+def _merge_parts_kernel(
+    partial_outlier_out_ptr,
+    value_outlier_rotation_ptr,
     partial_out_ptr,
+    value_rotation_ptr,
+    value_channels_ptr,
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
     seq_lens_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEY_OUTLIER_DIM: tl.constexpr,
+    KEY_OUTLIER_OFFSET: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    KEY_PAD: tl.constexpr,
+    VALUE_OUTLIER_DIM: tl.constexpr,
+    VALUE_OUTLIER_OFFSET: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head); the output stays in position order."""
+    """Merge the splits of one (sequence, query head) for every value part, as `_decode_reduce_kernel` does, and
+    write the row in the output's dtype: each part's positions back to its channels (its rotation as a
+    matrix-vector product, or its padded positions read in column order), stored at those channels' places in
+    the head."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch comes from the kernels before it
     q_row = tl.program_id(0)
+    kv_head = q_row % NUM_Q_HEADS // GROUP
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
-    dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel splits
@@ -2171,9 +2245,28 @@ def _decode_reduce_kernel(
     total = tl.sum(split_sum * weight, axis=0)
     # An empty sequence has total 0: its output is zeros rather than 0/0.
     weight = weight / tl.where(total > 0, total, 1.0)
-    acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=has[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0)
-    tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
+    # value_outlier
+    pos = tl.arange(0, VALUE_OUTLIER_DIM)
+    acc = tl.load(
+        partial_outlier_out_ptr + part[:, None] * VALUE_OUTLIER_DIM + pos[None, :],
+        mask=has[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(acc * weight[:, None], axis=0)
+    matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + pos[None, :])
+    out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+    inside = pos < VALUE_OUTLIER_DIM
+    column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + pos, mask=inside, other=0)
+    tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
+    # value
+    pos = tl.arange(0, VALUE_PAD)
+    acc = tl.load(partial_out_ptr + part[:, None] * VALUE_PAD + pos[None, :], mask=has[:, None], other=0.0)
+    merged = tl.sum(acc * weight[:, None], axis=0)
+    matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + pos[None, :])
+    out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+    inside = pos < VALUE_DIM
+    column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + pos, mask=inside, other=0)
+    tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
@@ -3049,6 +3142,10 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    width = _pow2(_part_dims(head_dim)["key_outlier"])
+    scratch["query_key_outlier"] = torch.empty(rows, width, dtype=torch.float32, device=device)  # in position order
+    width = _pow2(_part_dims(head_dim)["key"])
+    scratch["query_key"] = torch.empty(rows, width, dtype=torch.float32, device=device)  # in position order
     width = _pow2(_part_dims(head_dim)["value_outlier"])
     scratch["value_outlier"] = torch.empty(rows, num_splits, width, dtype=torch.float32, device=device)
     width = _pow2(_part_dims(head_dim)["value"])
@@ -3135,34 +3232,35 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    # Each query head in its KV head's channel order (outliers first), then each part rotated once, in position order.
-    q = _permute(
-        q.view(batch, num_q_heads, head_dim),
-        _channels(cache, "key").repeat_interleave(group, dim=0)[None],
-    ).reshape(-1, head_dim)
-    dims = _part_dims(head_dim)
-    queries = {}
-    at = 0
-    width = dims["key_outlier"]
-    part = q[:, at:at + width]
-    part = part @ tables["key_outlier_rotation"].t()
-    queries["key_outlier"] = part.contiguous()
-    at += width
-    width = dims["key"]
-    part = q[:, at:at + width]
-    part = torch.nn.functional.pad(part, (0, _pow2(width) - width)) @ tables["key_rotation"].t()
-    queries["key"] = part.contiguous()
-    at += width
+    rows = batch * num_q_heads
+    _launch_at(
+        launches, ("query", *aligned), _query_parts_kernel, (_cdiv(rows, 16),),
+        query,
+        _channels(cache, "key"),
+        tables["key_outlier_rotation"],
+        scratch["query_key_outlier"],
+        tables["key_rotation"],
+        scratch["query_key"],
+        rows,
+        NUM_KV_HEADS=cache.num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        **_part_constexprs(head_dim),
+        ROWS=16,
+        DOT_PRECISION=_DOT_PRECISION,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
     num_splits = plan.num_splits
     partials = scratch
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     _launch_at(
         launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits),
-        queries["key_outlier"],
-        queries["key"],
+        scratch["query_key_outlier"],
+        scratch["query_key"],
         block_tables,
         seq_lens,
         cache.key_outlier_codes,
@@ -3217,43 +3315,32 @@ def decode(
         maxnreg=register_cap,
         launch_pdl=pdl,
     )
-    reduce = functools.partial(
-        _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
-    )
-    outs = []
-    out = reduce(partials["value_outlier"])
-    out = out @ tables["value_outlier_rotation"]  # back to the part's channels, once
-    outs.append(out)
-    out = reduce(partials["value"])
-    out = out @ tables["value_rotation"]  # back to the part's channels, once
-    out = out[:, :dims["value"]]
-    outs.append(out)
-    out = torch.cat(outs, dim=1)
-    out = _unpermute(
-        out.view(batch, num_q_heads, head_dim),
-        _channels(cache, "value").repeat_interleave(group, dim=0)[None],
+    out = target if target is not None and target.is_contiguous() else torch.empty_like(query)
+    _launch_at(
+        launches, ("merge", *aligned, out.data_ptr() % 16 == 0), _merge_parts_kernel, (rows,),
+        partials["value_outlier"],
+        tables["value_outlier_rotation"],
+        partials["value"],
+        tables["value_rotation"],
+        _channels(cache, "value"),
+        partial_max,
+        partial_sum,
+        out,
+        seq_lens,
+        num_splits,
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        **_part_constexprs(head_dim),
+        SPLIT_CHUNK=plan.split_chunk,
+        SPLITS_PAD=_pow2(num_splits),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
     if target is None:
         return out
     return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
-
-
-def _reduce(
-    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
-    pdl=False, launches=None,
-) -> torch.Tensor:
-    rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    # A plan's scratch is the same tensors every layer: the site is the partial's own.
-    _launch_at(
-        launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
-        launch_pdl=pdl,
-    )
-    return out
 
 
 @functools.lru_cache(maxsize=None)

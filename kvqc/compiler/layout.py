@@ -486,7 +486,8 @@ class SideLayout:
     def wrapper_maps(self) -> bool:
         """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
         do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
-        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype."""
+        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype. A
+        channel split's parts move in kernels of their own (kernels/parts.py.j2) whatever this says."""
         return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.qjl
 
     @property
@@ -1145,8 +1146,10 @@ class Layout:
     def decode_replays(self) -> bool:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
-        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
-        or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
+        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL) or moves the window's
+        output into the rotated basis (a rotated side the kernels do not rotate), nor with a channel split: its
+        launches alone (kernels/parts.py.j2), but they read the cache's channel orders, which only the full call
+        checks calibrate() has set."""
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 

@@ -209,8 +209,6 @@ def _explain(args: argparse.Namespace) -> int:
               else "the window's output is mapped in torch first") + ")")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
-    elif layout.split:
-        print("           with a plan: every layer takes the whole call (its channel orders are checked per call)")
     else:
         print("           with a plan: every layer takes the whole call (the wrapper maps vectors in torch)")
     return 0

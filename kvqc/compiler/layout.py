@@ -1146,11 +1146,10 @@ class Layout:
     def decode_replays(self) -> bool:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
-        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL) or moves the window's
-        output into the rotated basis (a rotated side the kernels do not rotate), nor with a channel split: its
-        launches alone (kernels/parts.py.j2), but they read the cache's channel orders, which only the full call
-        checks calibrate() has set."""
-        in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
+        (`_Replay`). A channel split's are (kernels/parts.py.j2 maps its parts; a replay first sees that the
+        cache's channel orders are set). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL)
+        or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
+        in_kernels = self.split or not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
     # The most partial rows (query heads per KV head x splits) that decode_merge's kernel merges for its (sequence,

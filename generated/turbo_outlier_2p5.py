@@ -2176,23 +2176,31 @@ def _query_parts_kernel(
     kv_head = (row // GROUP % NUM_KV_HEADS)[:, None]
     # key_outlier
     pos = tl.arange(0, KEY_OUTLIER_DIM)
-    column = pos
-    inside = pos < KEY_OUTLIER_DIM
-    mask = real[:, None] & inside[None, :]
-    column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + column[None, :], mask=mask, other=0)
-    x = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
-    matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + pos[None, :])
-    x = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    KEY_OUTLIER_BLOCK: tl.constexpr = min(KEY_OUTLIER_DIM, 32)
+    x = tl.zeros([ROWS, KEY_OUTLIER_DIM], tl.float32)
+    for first in tl.static_range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
+        block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
+        mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
+        column = tl.load(
+            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :],
+            mask=mask,
+            other=0,
+        )
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+        matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + block[None, :])
+        x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
     tl.store(query_outlier_out_ptr + row[:, None] * KEY_OUTLIER_DIM + pos[None, :], x, mask=real[:, None])
     # key
     pos = tl.arange(0, KEY_PAD)
-    column = pos
-    inside = pos < KEY_DIM
-    mask = real[:, None] & inside[None, :]
-    column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + column[None, :], mask=mask, other=0)
-    x = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
-    matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + pos[None, :])
-    x = _mm(x, tl.trans(matrix), DOT_PRECISION)
+    KEY_BLOCK: tl.constexpr = min(KEY_PAD, 32)
+    x = tl.zeros([ROWS, KEY_PAD], tl.float32)
+    for first in tl.static_range(0, KEY_PAD, KEY_BLOCK):
+        block = first + tl.arange(0, KEY_BLOCK)  # columns of the part
+        mask = real[:, None] & (block < KEY_DIM)[None, :]
+        column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask=mask, other=0)
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+        matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + block[None, :])
+        x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
     tl.store(query_out_ptr + row[:, None] * KEY_PAD + pos[None, :], x, mask=real[:, None])
 
 
@@ -2247,26 +2255,32 @@ def _merge_parts_kernel(
     weight = weight / tl.where(total > 0, total, 1.0)
     # value_outlier
     pos = tl.arange(0, VALUE_OUTLIER_DIM)
+    VALUE_OUTLIER_BLOCK: tl.constexpr = min(VALUE_OUTLIER_DIM, 32)
     acc = tl.load(
         partial_outlier_out_ptr + part[:, None] * VALUE_OUTLIER_DIM + pos[None, :],
         mask=has[:, None],
         other=0.0,
     )
     merged = tl.sum(acc * weight[:, None], axis=0)
-    matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + pos[None, :])
-    out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
-    inside = pos < VALUE_OUTLIER_DIM
-    column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + pos, mask=inside, other=0)
-    tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
+    for first in tl.static_range(0, VALUE_OUTLIER_DIM, VALUE_OUTLIER_BLOCK):
+        block = first + tl.arange(0, VALUE_OUTLIER_BLOCK)  # columns of the part
+        matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + block[None, :])
+        out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+        inside = block < VALUE_OUTLIER_DIM
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
     # value
     pos = tl.arange(0, VALUE_PAD)
+    VALUE_BLOCK: tl.constexpr = min(VALUE_PAD, 32)
     acc = tl.load(partial_out_ptr + part[:, None] * VALUE_PAD + pos[None, :], mask=has[:, None], other=0.0)
     merged = tl.sum(acc * weight[:, None], axis=0)
-    matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + pos[None, :])
-    out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
-    inside = pos < VALUE_DIM
-    column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + pos, mask=inside, other=0)
-    tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
+    for first in tl.static_range(0, VALUE_PAD, VALUE_BLOCK):
+        block = first + tl.arange(0, VALUE_BLOCK)  # columns of the part
+        matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + block[None, :])
+        out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+        inside = block < VALUE_DIM
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:

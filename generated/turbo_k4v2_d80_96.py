@@ -68,7 +68,7 @@ SCHEME = {'head_dims': [80, 96],
  'version': 1}
 HEAD_DIMS = (80, 96)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "portable"}
+DECODE_UNPACK = {"key": "lut3s", "value": "lut2"}
 KEY_CODE_BITS = 4
 KEY_METADATA = ('norm', 'residual_rms')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
@@ -781,6 +781,99 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2(codes, lo, hi):
+    """Four 2-bit indices per byte -> fp16 codebook entries for chunks 0..3 (bits 0, 2, 4, 6).
+
+    lo / hi hold the low / high bytes of the four entries; selector nibbles (i0, i0 + 4, i1, i1 + 4), made by one
+    multiply-add from the index bytes, make one prmt return the entries of two indices.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, s, t;
+        and.b32 a, $8, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $0, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $1, $9, $13, t;
+        shr.b32 a, $8, 2;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $2, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $3, $9, $13, t;
+        shr.b32 a, $8, 4;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $4, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $5, $9, $13, t;
+        shr.b32 a, $8, 6;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $6, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $7, $9, $13, t;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[codes, lo, hi],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _unpack_lut3s(codes, rms, lo0, lo1, hi0, hi1):
+    """Two codes per byte, each a 3-bit index and the residual's sign (bit 3) -> fp16 entry[index] + -rms.
+
+    The four index nibbles of a register become one prmt selector; prmt then reads the low bytes (lo0: entries
+    0..3, lo1: 4..7) and the high bytes of four entries at once, and two more interleave them. The sign bit,
+    moved to bit 15 of each half, flips rms's sign with one lop3 before a paired add.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 z, m, a, y, s, l, h, t, u;
+        mov.b32 z, 0;
+        mov.b32 m, 0x80008000;
+        and.b32 a, $4, 0x07070707;
+        shr.b32 y, a, 4;
+        or.b32 y, y, a;
+        prmt.b32 s, y, z, 0x0020;
+        prmt.b32 l, $7, $11, s;
+        prmt.b32 h, $15, $19, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        shr.b32 a, $4, 4;
+        and.b32 a, a, 0x07070707;
+        shr.b32 y, a, 4;
+        or.b32 y, y, a;
+        prmt.b32 s, y, z, 0x0020;
+        prmt.b32 l, $7, $11, s;
+        prmt.b32 h, $15, $19, s;
+        prmt.b32 $2, l, h, 0x5140;
+        prmt.b32 $3, l, h, 0x7362;
+        prmt.b32 t, $4, z, 0x1404;
+        shl.b32 u, t, 4;
+        lop3.b32 u, u, m, $5, 0xa6;
+        add.f16x2 $0, $0, u;
+        lop3.b32 u, t, m, $5, 0xa6;
+        add.f16x2 $2, $2, u;
+        prmt.b32 t, $4, z, 0x3424;
+        shl.b32 u, t, 4;
+        lop3.b32 u, u, m, $6, 0xa6;
+        add.f16x2 $1, $1, u;
+        lop3.b32 u, t, m, $6, 0xa6;
+        add.f16x2 $3, $3, u;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[codes, rms, lo0, lo1, hi0, hi1],
+        dtype=(tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     block_tables_ptr,
@@ -790,11 +883,13 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -818,6 +913,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
     MERGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -826,7 +922,8 @@ def _decode_kernel(
     Scores are taken in the rotated basis against codebook values unpacked in registers; per-token norms and
     scales multiply the scores and the probabilities, not the tiles. The split's running max, sum and
     unnormalized output go to scratch, for the last split of the pair to merge (MERGE)
-    or `_decode_reduce_kernel`.
+    or `_decode_reduce_kernel`. FAST_UNPACK (compiled fp16 only) turns code registers into fp16 tiles
+    with the PTX helpers above; otherwise the same values come from select trees.
     """
     if PDL:
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
@@ -881,6 +978,15 @@ def _decode_kernel(
     value_c1 = tl.load(value_centroids_ptr + 1)
     value_c2 = tl.load(value_centroids_ptr + 2)
     value_c3 = tl.load(value_centroids_ptr + 3)
+
+    if FAST_UNPACK:
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+        key_lut_2 = tl.load(key_lut_ptr + 2)
+        key_lut_3 = tl.load(key_lut_ptr + 3)
+
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
 
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -942,41 +1048,55 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :],
                 mask=valid[:, None] & key_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
             key_residual_rms = key_residual_rms_raw.to(tl.float32)
 
-            code = key_bytes_0_0 & 15
+            if FAST_UNPACK:
+                tile_0, tile_1 = _unpack_lut3s(
+                    key_bytes_0_0,
+                    key_residual_rms.to(tl.float16)[:, None],
+                    key_lut_0,
+                    key_lut_1,
+                    key_lut_2,
+                    key_lut_3,
+                )
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                dots = tl.dot(query_0, tl.trans(tile_0))
+                dots += tl.dot(query_1, tl.trans(tile_1))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                code = key_bytes_0_0 & 15
 
-            positive = (code & 8) != 0
-            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 15
+                positive = (code & 8) != 0
+                tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            tile = lut_2_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 15
 
-            positive = (code & 8) != 0
-            tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
+                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
+                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
+                tile = lut_2_0
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                positive = (code & 8) != 0
+                tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
+
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores = dots * key_norm[None, :]
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1000,43 +1120,52 @@ def _decode_kernel(
                 value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
                 mask=valid[:, None] & value_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 3
+            if FAST_UNPACK:
+                tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = tl.dot(weights, tile_0, acc_0)
+                acc_1 = tl.dot(weights, tile_1, acc_1)
+                acc_2 = tl.dot(weights, tile_2, acc_2)
+                acc_3 = tl.dot(weights, tile_3, acc_3)
+            else:
+                value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+                code = value_bytes_0_0 & 3
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 2) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+                code = (value_bytes_0_0 >> 2) & 3
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 4) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+                code = (value_bytes_0_0 >> 4) & 3
 
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 6) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+                code = (value_bytes_0_0 >> 6) & 3
 
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
+
+                acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 
             row = row_next
             valid = valid_next
@@ -1234,6 +1363,15 @@ def _padded_positions(head_dim: int, chunks: int) -> torch.Tensor:
     return (torch.arange(chunks)[:, None] * pad + torch.arange(width)[None, :]).reshape(-1)
 
 
+def _lut_words(entries: torch.Tensor) -> torch.Tensor:
+    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
+    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
+    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
+    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""
@@ -1255,6 +1393,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value
     order = torch.arange(d)
@@ -1271,6 +1410,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -1982,11 +2122,13 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,
@@ -2009,6 +2151,7 @@ def decode(
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         LAZY_RESCALE=_LAZY_RESCALE,
+        FAST_UNPACK=_FAST_UNPACK and query.dtype == torch.float16,
         MERGE=merging,
         PDL=pdl,
         num_warps=num_warps,

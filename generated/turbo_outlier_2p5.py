@@ -69,7 +69,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key_outlier": "lut4", "key": "portable", "value_outlier": "lut4", "value": "portable"}
+DECODE_UNPACK = {"key_outlier": "lut4", "key": "lut2", "value_outlier": "lut4", "value": "lut2"}
 KEY_OUTLIER_CODE_BITS = 4
 KEY_OUTLIER_METADATA = ('norm',)
 KEY_OUTLIERS = 0.25  # share of head_dim's channels quantized apart, with the codebook below
@@ -210,10 +210,10 @@ _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread
 _FILL_IN_BLOCK = 64
 _FLATTEN_IN_BLOCK = 128
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8/32,
-# context 32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records
-# the sweep.
-_DECODE_CONFIGS = {128: (32, 1, 2, 32, 256)}
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8, context
+# 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records the
+# sweep.
+_DECODE_CONFIGS = {128: (32, 1, 2, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
@@ -1481,6 +1481,48 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2(codes, lo, hi):
+    """Four 2-bit indices per byte -> fp16 codebook entries for chunks 0..3 (bits 0, 2, 4, 6).
+
+    lo / hi hold the low / high bytes of the four entries; selector nibbles (i0, i0 + 4, i1, i1 + 4), made by one
+    multiply-add from the index bytes, make one prmt return the entries of two indices.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, s, t;
+        and.b32 a, $8, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $0, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $1, $9, $13, t;
+        shr.b32 a, $8, 2;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $2, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $3, $9, $13, t;
+        shr.b32 a, $8, 4;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $4, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $5, $9, $13, t;
+        shr.b32 a, $8, 6;
+        and.b32 a, a, 0x03030303;
+        mad.lo.u32 s, a, 0x11, 0x40404040;
+        prmt.b32 $6, $9, $13, s;
+        shr.b32 t, s, 16;
+        prmt.b32 $7, $9, $13, t;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[codes, lo, hi],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_lut4(codes, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3):
     """Two 4-bit indices per byte -> fp16 entries: prmt looks up 0..7 and 8..15 by the low three bits, then the
     fourth bit picks one of the two bytes (a 0x00 / 0xff mask and one lop3)."""
@@ -1545,6 +1587,7 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
+    key_lut_ptr,
     value_outlier_codes_ptr,
     value_outlier_meta_ptr,
     value_outlier_matrix_ptr,
@@ -1556,6 +1599,7 @@ def _decode_kernel(
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
+    value_lut_ptr,
     partial_outlier_out_ptr,
     partial_out_ptr,
     partial_max_ptr,
@@ -1718,6 +1762,9 @@ def _decode_kernel(
         key_outlier_lut_6 = tl.load(key_outlier_lut_ptr + 6)
         key_outlier_lut_7 = tl.load(key_outlier_lut_ptr + 7)
 
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+
         value_outlier_lut_0 = tl.load(value_outlier_lut_ptr + 0)
         value_outlier_lut_1 = tl.load(value_outlier_lut_ptr + 1)
         value_outlier_lut_2 = tl.load(value_outlier_lut_ptr + 2)
@@ -1726,6 +1773,9 @@ def _decode_kernel(
         value_outlier_lut_5 = tl.load(value_outlier_lut_ptr + 5)
         value_outlier_lut_6 = tl.load(value_outlier_lut_ptr + 6)
         value_outlier_lut_7 = tl.load(value_outlier_lut_ptr + 7)
+
+        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_1 = tl.load(value_lut_ptr + 1)
 
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -1865,42 +1915,51 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (KEY_DIM * 2 // 8) + key_chunk[None, :],
                 mask=valid[:, None] & key_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
 
-            code = key_bytes_0_0 & 3
+            if FAST_UNPACK:
+                tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(key_bytes_0_0, key_lut_0, key_lut_1)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = tl.dot(query_0, tl.trans(tile_0))
+                dots += tl.dot(query_1, tl.trans(tile_1))
+                dots += tl.dot(query_2, tl.trans(tile_2))
+                dots += tl.dot(query_3, tl.trans(tile_3))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                code = key_bytes_0_0 & 3
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 2) & 3
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 3
 
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 3
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 6) & 3
 
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
+
+                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores += dots * key_norm[None, :]
             scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -1995,43 +2054,52 @@ def _decode_kernel(
                 value_codes_ptr + row[:, None] * (VALUE_DIM * 2 // 8) + value_chunk[None, :],
                 mask=valid[:, None] & value_in[None, :],
                 other=0,
-            ).to(tl.int32)
+            )
 
             value_norm = value_norm_raw.to(tl.float32)
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
-            code = value_bytes_0_0 & 3
+            if FAST_UNPACK:
+                tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = tl.dot(weights, tile_0, acc_0)
+                acc_1 = tl.dot(weights, tile_1, acc_1)
+                acc_2 = tl.dot(weights, tile_2, acc_2)
+                acc_3 = tl.dot(weights, tile_3, acc_3)
+            else:
+                value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
+                code = value_bytes_0_0 & 3
 
-            acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
-            code = (value_bytes_0_0 >> 2) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+                code = (value_bytes_0_0 >> 2) & 3
 
-            acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
-            code = (value_bytes_0_0 >> 4) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+                code = (value_bytes_0_0 >> 4) & 3
 
-            acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
-            code = (value_bytes_0_0 >> 6) & 3
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+                code = (value_bytes_0_0 >> 6) & 3
 
-            acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
+                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
+
+                acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 
             row = row_next
             valid = valid_next
@@ -2073,26 +2141,108 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _query_parts_kernel(
+    query_ptr,
+    key_channels_ptr,
+    key_outlier_rotation_ptr,
+    query_outlier_out_ptr,
+    key_rotation_ptr,
+    query_out_ptr,
+    rows,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEY_OUTLIER_DIM: tl.constexpr,
+    KEY_OUTLIER_OFFSET: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    KEY_PAD: tl.constexpr,
+    VALUE_OUTLIER_DIM: tl.constexpr,
+    VALUE_OUTLIER_OFFSET: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """ROWS query rows, in the model's dtype, into each key part's position order in float32 for `_decode_kernel`:
+    a part's channels gathered from the row (its KV head's order where the side is split), then its rotation as a
+    dot, or its padded positions."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    real = row < rows
+    kv_head = (row // GROUP % NUM_KV_HEADS)[:, None]
+    # key_outlier
+    pos = tl.arange(0, KEY_OUTLIER_DIM)
+    KEY_OUTLIER_BLOCK: tl.constexpr = min(KEY_OUTLIER_DIM, 32)
+    x = tl.zeros([ROWS, KEY_OUTLIER_DIM], tl.float32)
+    for first in tl.static_range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
+        block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
+        mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
+        column = tl.load(
+            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :],
+            mask=mask,
+            other=0,
+        )
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+        matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + block[None, :])
+        x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
+    tl.store(query_outlier_out_ptr + row[:, None] * KEY_OUTLIER_DIM + pos[None, :], x, mask=real[:, None])
+    # key
+    pos = tl.arange(0, KEY_PAD)
+    KEY_BLOCK: tl.constexpr = min(KEY_PAD, 32)
+    x = tl.zeros([ROWS, KEY_PAD], tl.float32)
+    for first in tl.static_range(0, KEY_PAD, KEY_BLOCK):
+        block = first + tl.arange(0, KEY_BLOCK)  # columns of the part
+        mask = real[:, None] & (block < KEY_DIM)[None, :]
+        column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask=mask, other=0)
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
+        matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + block[None, :])
+        x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
+    tl.store(query_out_ptr + row[:, None] * KEY_PAD + pos[None, :], x, mask=real[:, None])
+
+
+@triton.jit
+def _merge_parts_kernel(
+    partial_outlier_out_ptr,
+    value_outlier_rotation_ptr,
     partial_out_ptr,
+    value_rotation_ptr,
+    value_channels_ptr,
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
     seq_lens_ptr,
     num_splits,
     NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEY_OUTLIER_DIM: tl.constexpr,
+    KEY_OUTLIER_OFFSET: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    KEY_PAD: tl.constexpr,
+    VALUE_OUTLIER_DIM: tl.constexpr,
+    VALUE_OUTLIER_OFFSET: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head); the output stays in position order."""
+    """Merge the splits of one (sequence, query head) for every value part, as `_decode_reduce_kernel` does, and
+    write the row in the output's dtype: each part's positions back to its channels (its rotation as a
+    matrix-vector product, or its padded positions read in column order), stored at those channels' places in
+    the head."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # as in _decode_kernel: the splits' scratch comes from the kernels before it
     q_row = tl.program_id(0)
+    kv_head = q_row % NUM_Q_HEADS // GROUP
     seq_len = tl.load(seq_lens_ptr + q_row // NUM_Q_HEADS)
     split = tl.arange(0, SPLITS_PAD)
-    dim = tl.arange(0, HEAD_DIM)
     part = q_row * num_splits + split
     # Splits that start past the sequence's end never ran and left their scratch unwritten.
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_CHUNK) * SPLIT_CHUNK  # as _decode_kernel splits
@@ -2103,9 +2253,34 @@ def _decode_reduce_kernel(
     total = tl.sum(split_sum * weight, axis=0)
     # An empty sequence has total 0: its output is zeros rather than 0/0.
     weight = weight / tl.where(total > 0, total, 1.0)
-    acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=has[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0)
-    tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
+    # value_outlier
+    pos = tl.arange(0, VALUE_OUTLIER_DIM)
+    VALUE_OUTLIER_BLOCK: tl.constexpr = min(VALUE_OUTLIER_DIM, 32)
+    acc = tl.load(
+        partial_outlier_out_ptr + part[:, None] * VALUE_OUTLIER_DIM + pos[None, :],
+        mask=has[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(acc * weight[:, None], axis=0)
+    for first in tl.static_range(0, VALUE_OUTLIER_DIM, VALUE_OUTLIER_BLOCK):
+        block = first + tl.arange(0, VALUE_OUTLIER_BLOCK)  # columns of the part
+        matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + block[None, :])
+        out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+        inside = block < VALUE_OUTLIER_DIM
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
+    # value
+    pos = tl.arange(0, VALUE_PAD)
+    VALUE_BLOCK: tl.constexpr = min(VALUE_PAD, 32)
+    acc = tl.load(partial_out_ptr + part[:, None] * VALUE_PAD + pos[None, :], mask=has[:, None], other=0.0)
+    merged = tl.sum(acc * weight[:, None], axis=0)
+    for first in tl.static_range(0, VALUE_PAD, VALUE_BLOCK):
+        block = first + tl.arange(0, VALUE_BLOCK)  # columns of the part
+        matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + block[None, :])
+        out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
+        inside = block < VALUE_DIM
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
@@ -2212,6 +2387,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[head_dim], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value_outlier
     d = _part_dims(head_dim)["value_outlier"]  # the channels this part quantizes
@@ -2245,6 +2421,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[head_dim], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -2918,6 +3095,7 @@ class DecodePlan:
     merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -2979,6 +3157,10 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    width = _pow2(_part_dims(head_dim)["key_outlier"])
+    scratch["query_key_outlier"] = torch.empty(rows, width, dtype=torch.float32, device=device)  # in position order
+    width = _pow2(_part_dims(head_dim)["key"])
+    scratch["query_key"] = torch.empty(rows, width, dtype=torch.float32, device=device)  # in position order
     width = _pow2(_part_dims(head_dim)["value_outlier"])
     scratch["value_outlier"] = torch.empty(rows, num_splits, width, dtype=torch.float32, device=device)
     width = _pow2(_part_dims(head_dim)["value"])
@@ -2996,6 +3178,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         merge=merge,
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -3038,12 +3221,17 @@ def decode(
     output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
     if out is not None:
         _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
     target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -3065,34 +3253,42 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    # Each query head in its KV head's channel order (outliers first), then each part rotated once, in position order.
-    q = _permute(
-        q.view(batch, num_q_heads, head_dim),
-        _channels(cache, "key").repeat_interleave(group, dim=0)[None],
-    ).reshape(-1, head_dim)
-    dims = _part_dims(head_dim)
-    queries = {}
-    at = 0
-    width = dims["key_outlier"]
-    part = q[:, at:at + width]
-    part = part @ tables["key_outlier_rotation"].t()
-    queries["key_outlier"] = part.contiguous()
-    at += width
-    width = dims["key"]
-    part = q[:, at:at + width]
-    part = torch.nn.functional.pad(part, (0, _pow2(width) - width)) @ tables["key_rotation"].t()
-    queries["key"] = part.contiguous()
-    at += width
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
+    rows = batch * num_q_heads
+    _launch_at(
+        launches, ("query", *aligned), _query_parts_kernel, (_cdiv(rows, 16),),
+        query,
+        _channels(cache, "key"),
+        tables["key_outlier_rotation"],
+        scratch["query_key_outlier"],
+        tables["key_rotation"],
+        scratch["query_key"],
+        rows,
+        NUM_KV_HEADS=cache.num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        **_part_constexprs(head_dim),
+        ROWS=16,
+        DOT_PRECISION=_DOT_PRECISION,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
     num_splits = plan.num_splits
     partials = scratch
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     _launch_at(
         launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits),
-        queries["key_outlier"],
-        queries["key"],
+        scratch["query_key_outlier"],
+        scratch["query_key"],
         block_tables,
         seq_lens,
         cache.key_outlier_codes,
@@ -3106,6 +3302,7 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
+        tables["key_lut"],
         cache.value_outlier_codes,
         cache.value_outlier_meta,
         tables["value_outlier_matrix"],
@@ -3117,6 +3314,7 @@ def decode(
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
+        tables["value_lut"],
         partials["value_outlier"],
         partials["value"],
         partial_max,
@@ -3145,43 +3343,79 @@ def decode(
         maxnreg=register_cap,
         launch_pdl=pdl,
     )
-    reduce = functools.partial(
-        _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
-        split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
-    )
-    outs = []
-    out = reduce(partials["value_outlier"])
-    out = out @ tables["value_outlier_rotation"]  # back to the part's channels, once
-    outs.append(out)
-    out = reduce(partials["value"])
-    out = out @ tables["value_rotation"]  # back to the part's channels, once
-    out = out[:, :dims["value"]]
-    outs.append(out)
-    out = torch.cat(outs, dim=1)
-    out = _unpermute(
-        out.view(batch, num_q_heads, head_dim),
-        _channels(cache, "value").repeat_interleave(group, dim=0)[None],
+    out = target if target is not None and target.is_contiguous() else torch.empty_like(query)
+    _launch_at(
+        launches, ("merge", *aligned, out.data_ptr() % 16 == 0), _merge_parts_kernel, (rows,),
+        partials["value_outlier"],
+        tables["value_outlier_rotation"],
+        partials["value"],
+        tables["value_rotation"],
+        _channels(cache, "value"),
+        partial_max,
+        partial_sum,
+        out,
+        seq_lens,
+        num_splits,
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        **_part_constexprs(head_dim),
+        SPLIT_CHUNK=plan.split_chunk,
+        SPLITS_PAD=_pow2(num_splits),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, *scratch.values(), *tables.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
     if target is None:
         return out
     return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
 
 
-def _reduce(
-    partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
-    pdl=False, launches=None,
-) -> torch.Tensor:
-    rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    # A plan's scratch is the same tensors every layer: the site is the partial's own.
-    _launch_at(
-        launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
-        partial, partial_max, partial_sum, out, seq_lens, num_splits,
-        NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk, SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
-        launch_pdl=pdl,
-    )
-    return out
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    if any(getattr(cache, name) is None for name in _CHANNELS):
+        return None  # the full call says calibrate() has not chosen them
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
+    return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 @functools.lru_cache(maxsize=None)

@@ -186,7 +186,8 @@ def _explain(args: argparse.Namespace) -> int:
         print("           the query: rotated " + ("by _rotate_query_kernel, a launch of its own (measured faster here)"
                                               if apart else "by each split program itself, no launch of its own"))
     if layout.split:
-        print("           a split side: scores summed over its two parts, one output per part, put back in channel order")
+        print("           the query: into each key part's positions by _query_parts_kernel, a launch of its own")
+        print("           a split side: scores summed over its two parts, one output per part")
     if scheme.window:
         first = f"first {scheme.sinks} and " if scheme.sinks else ""
         print(f"           the {first}last {scheme.window} tokens: one more split over the ring, unquantized")
@@ -201,9 +202,11 @@ def _explain(args: argparse.Namespace) -> int:
     if where:
         print(f"           merge: {where}, where query heads per KV head x splits <= {layout.MERGE_ROWS[layout.decode_merge]} "
               "(else _decode_reduce_kernel; DecodePlan.merge says which)")
+    elif layout.split:
+        print("           merge: _merge_parts_kernel, a launch of its own: every part's splits, put back in channel order")
     else:
-        print("           merge: _decode_reduce_kernel, a launch of its own (" + ("one merge per part" if layout.split
-              else "QJL's second output" if layout.value.qjl else "the window's output is mapped in torch first") + ")")
+        print("           merge: _decode_reduce_kernel, a launch of its own (" + ("QJL's second output" if layout.value.qjl
+              else "the window's output is mapped in torch first") + ")")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
     else:

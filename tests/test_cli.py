@@ -754,6 +754,10 @@ def test_explain_says_why_a_side_decodes_on_the_portable_path(capsys):
     assert "key: PTX unpacking (u2) on NVIDIA; per-channel scales shared by 32 tokens, folded into the query" in out
     assert ("value: PTX unpacking (u2) on NVIDIA; scales per group of 32 channels, one dot per group, applied to the "
             "probabilities") in out
+    assert main(["explain", str(SCHEME_DIR / "turbo_outlier_2p5.yaml")]) == 0
+    out = capsys.readouterr().out  # chunks padded to a power of two (its 96-channel parts) take PTX too
+    assert "portable" not in out and "key: PTX unpacking (lut2)" in out and "value: PTX unpacking (lut2)" in out
+    assert "merge: _merge_parts_kernel, a launch of its own" in out
 
 
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.

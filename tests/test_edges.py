@@ -1031,9 +1031,11 @@ def test_dependently_launched_kernels_wait_before_their_first_load(name):
     import inspect
 
     m = generated(name)
-    gated = [k for k in ("_decode_kernel", "_decode_reduce_kernel", "_rotate_query_kernel")
-             if hasattr(m, k) and "PDL" in getattr(m, k).arg_names]
-    assert "_decode_kernel" in gated and "_decode_reduce_kernel" in gated
+    kernels = ("_decode_kernel", "_decode_reduce_kernel", "_rotate_query_kernel", "_query_parts_kernel",
+               "_merge_parts_kernel")
+    gated = [k for k in kernels if hasattr(m, k) and "PDL" in getattr(m, k).arg_names]
+    # A channel split merges its parts in _merge_parts_kernel, every other layout in _decode_reduce_kernel.
+    assert "_decode_kernel" in gated and ("_decode_reduce_kernel" in gated) != ("_merge_parts_kernel" in gated)
     for k in gated:
         body = inspect.getsource(getattr(m, k).fn).split('"""')[-1]  # past the docstring
         wait, load = body.find("tl.extra.cuda.gdc_wait()"), body.find("tl.load(")

@@ -44,3 +44,18 @@ def test_fill_takes_the_cell_search_its_plan_promises(name):
         if side.cell_helper:
             assert callable(getattr(m, side.cell_helper))
     assert ("if FAST_CELL:" in source) == layout.any_fast_cell
+
+
+@pytest.mark.parametrize("name", ["turbo_outlier_2p5", "turbo_k4v2_d80_96"])
+def test_padded_chunks_take_ptx_with_their_padding_masked(name):
+    """Chunks padded to a power of two take the PTX helpers (SideLayout.fast_unpack) because each code load masks
+    the padding columns to byte 0: what that decodes to meets K's zero query columns and V's dropped padding, and
+    the load never reads past the row (or the tensor's end)."""
+    m = generated(name)
+    layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml"))
+    source = inspect.getsource(m._decode_kernel.fn)
+    padded = [side for side in layout.sides if side.padded]
+    assert padded and all(m.DECODE_UNPACK[side.name] != "portable" for side in padded)
+    for side in padded:
+        masks = re.findall(rf"{side.name}_bytes_\d+_\d+ = tl\.load\(.*?mask=(.*?),\s*other=0", source, re.S)
+        assert masks and all(f"{side.name}_in[None, :]" in mask for mask in masks), (side.name, masks)

@@ -86,6 +86,19 @@ def test_later_layers_replay_what_the_plan_promises(name):
     assert torch.equal(got, want) and len(plan.replays) == 2
 
 
+def test_a_split_replay_needs_the_channel_orders():
+    """A channel split's decode replays (its parts map in kernels/parts.py.j2), but only for a cache whose channel
+    orders are set: a later layer's cache that calibrate() never chose them for takes the whole call, which refuses
+    it, instead of a replay reading whatever its slot holds."""
+    m, caches, queries, paging, _ = layers("turbo_outlier_2p5", count=2)
+    plan = m.plan_decode(caches[0], *paging, Q_HEADS, queries[0].dtype)
+    m.decode(queries[0], caches[0], *paging, plan=plan)
+    assert len(plan.replays) == 1
+    caches[1].value_channels = None
+    with pytest.raises(ValueError, match="calibrate"):
+        m.decode(queries[1], caches[1], *paging, plan=plan)
+
+
 def test_a_plan_refuses_what_it_was_not_made_for():
     m, caches, queries, paging, _ = layers("int4_token", count=1)
     plan = m.plan_decode(caches[0], *paging, Q_HEADS, torch.float16)

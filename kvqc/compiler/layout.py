@@ -486,7 +486,8 @@ class SideLayout:
     def wrapper_maps(self) -> bool:
         """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
         do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
-        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype."""
+        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype. A
+        channel split's parts move in kernels of their own (kernels/parts.py.j2) whatever this says."""
         return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.qjl
 
     @property
@@ -504,12 +505,15 @@ class SideLayout:
         "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
         are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
         and zero per token, or scales that stay outside the tiles: per group of channels (group_dots) or K's per
-        channel (channel_dots); Lloyd-Max codes a norm. Padded chunks, V's per-channel scales, scale groups without
-        group_dots, QJL, residuals over several planes, absmax scales per token and Lloyd-Max codebooks of more than
-        16 entries keep the portable path."""
+        channel (channel_dots); Lloyd-Max codes a norm. V's per-channel scales, scale groups without group_dots,
+        QJL, residuals over several planes, absmax scales per token and Lloyd-Max codebooks of more than 16 entries
+        keep the portable path. Chunks padded to a power of two take the helpers as whole ones do: the load masks
+        the padding columns' bytes to 0, and what code 0 decodes to there (a finite codebook entry or grid level)
+        meets zeros: K's padded query columns, and the padding rows of V's way back (the matrix's, or the positions
+        the wrapper keeps), as on the portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
-        if self.padded or (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
+        if (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
             return ""
         one_plane = len(self.planes) == 1
         outside = self.group_dots or self.channel_dots
@@ -533,8 +537,11 @@ class SideLayout:
         columns at some head_dim: Triton 3.6 stages a 16-column tl.dot B operand through shared memory column-major,
         one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a 32-column one
         row-major in 16-byte stores. Chunks 2k and 2k + 1 read the same bytes of the narrowest plane (fields 2k and
-        2k + 1) and adjacent byte runs, at one field, of every other plane."""
-        if self.base != "value" or not self.plane_unpack or self.split or self.chunks < 2 or self.group_dots:
+        2k + 1) and adjacent byte runs, at one field, of every other plane. Not with padded chunks, whose pair would
+        hold the lower chunk's padding in its middle, nor group_dots' units."""
+        if self.base != "value" or not self.plane_unpack or self.split or self.padded or self.group_dots:
+            return False
+        if self.chunks < 2:
             return False
         return any(self.part_dim(d) // self.chunks < 32 for d in self.head_dims)
 
@@ -609,8 +616,9 @@ class SideLayout:
     def word_unpack(self) -> str:
         """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
         a word of a token and one of the next make eight such pairs with four prmt. u8 and lut2 codes gain nothing
-        from words."""
-        whole = self.base == "value" and not self.split and not self.group_dots and min(self.head_dims) >= 64
+        from words, and a padded chunk's columns are no run of whole words."""
+        whole = self.base == "value" and not self.split and not self.padded and not self.group_dots
+        whole = whole and min(self.head_dims) >= 64
         return "u4" if whole and self.fast_unpack == "u4" else ""
 
     @property
@@ -628,8 +636,6 @@ class SideLayout:
             return ""
         s = self.scheme
         kind, bits, residual = s.codebook.kind, s.codebook.bits, s.residual.kind
-        if self.padded:
-            return "chunks padded to a power of two"
         if self.per_channel and not self.channel_dots:
             if self.base == "value":
                 return "per-channel scales on values"
@@ -1178,9 +1184,10 @@ class Layout:
     def decode_replays(self) -> bool:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
-        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
+        (`_Replay`). A channel split's are (kernels/parts.py.j2 maps its parts; a replay first sees that the
+        cache's channel orders are set). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL)
         or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
-        in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
+        in_kernels = self.split or not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
     # The most partial rows (query heads per KV head x splits) that decode_merge's kernel merges for its (sequence,

@@ -55,7 +55,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "lut3"}
+DECODE_UNPACK = {"key": "lut2qjl", "value": "lut3"}
 KEY_CODE_BITS = 3
 KEY_METADATA = ('norm', 'residual_norm')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
@@ -2254,6 +2254,47 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2qjl(plane0, plane1, field0, field1, lut0, lut1):
+    """2-bit Lloyd-Max indices and the QJL sign bit above them, their bits in 2 planes, -> fp16 codebook entries and +-1
+    signs, two tiles a call: each plane's bits, at bit offset fieldN of its bytes, moved to their place in the code;
+    the sign bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index
+    bits alone make one prmt selector, and prmt reads the entries' low and high bytes (lut: 2 words, as
+    _lut_words packs them)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, s, l, h, z, m, o;
+        shr.b32 c, $4, $6;
+        and.b32 c, c, 0x01010101;
+        shr.b32 t, $5, $10;
+        and.b32 t, t, 0x03030303;
+        shl.b32 t, t, 1;
+        or.b32 c, c, t;
+        mov.b32 z, 0;
+        shl.b32 t, c, 5;
+        prmt.b32 l, t, z, 0x1404;
+        prmt.b32 h, t, z, 0x3424;
+        mov.b32 m, 0x80008000;
+        mov.b32 o, 0xbc00bc00;
+        lop3.b32 $2, l, m, o, 0x6a;
+        lop3.b32 $3, h, m, o, 0x6a;
+        and.b32 c, c, 0x03030303;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $14, $14, s;
+        prmt.b32 h, $18, $18, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, field0, field1, lut0, lut1],
+        dtype=(tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
     """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
     plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
@@ -2300,6 +2341,7 @@ def _decode_kernel(
     key_centroids_ptr,
     key_boundaries_ptr,
     key_qjl_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
@@ -2466,6 +2508,9 @@ def _decode_kernel(
     value_c7 = tl.load(value_centroids_ptr + 7)
 
     if FAST_UNPACK:
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+
         value_lut_0 = tl.load(value_lut_ptr + 0)
         value_lut_1 = tl.load(value_lut_ptr + 1)
         value_lut_2 = tl.load(value_lut_ptr + 2)
@@ -2535,128 +2580,158 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
             key_bytes_1_0 = tl.load(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
             key_bytes_1_1 = tl.load(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK
                 + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
             key_residual_norm = key_residual_norm_raw.to(tl.float32)
             # E[sign(<s, r>) s] = sqrt(2/pi) r / |r| for a Gaussian row s: this factor makes the estimate unbiased.
             key_qjl_row = key_norm * key_residual_norm * 1.2533141373155001 / HEAD_DIM
 
-            code = key_bytes_0_0 & 1
-            code = code | ((key_bytes_1_0 & 3) << 1)
+            if FAST_UNPACK:
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 0, 0, key_lut_0, key_lut_1)
+                dots = tl.dot(query_0, tl.trans(tile))
+                dots_qjl = tl.dot(query_qjl_0, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 1, 0, key_lut_0, key_lut_1)
+                dots += tl.dot(query_1, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_1, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 2, 2, key_lut_0, key_lut_1)
+                dots += tl.dot(query_2, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_2, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 3, 2, key_lut_0, key_lut_1)
+                dots += tl.dot(query_3, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_3, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 4, 4, key_lut_0, key_lut_1)
+                dots += tl.dot(query_4, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_4, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 5, 4, key_lut_0, key_lut_1)
+                dots += tl.dot(query_5, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_5, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 6, 6, key_lut_0, key_lut_1)
+                dots += tl.dot(query_6, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_6, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 7, 6, key_lut_0, key_lut_1)
+                dots += tl.dot(query_7, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_7, tl.trans(signs))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                key_bytes_1_0 = key_bytes_1_0.to(tl.int32)
+                key_bytes_1_1 = key_bytes_1_1.to(tl.int32)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                code = key_bytes_0_0 & 1
+                code = code | ((key_bytes_1_0 & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl = _mm(query_qjl_0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 1) & 1
-            code = code | ((key_bytes_1_1 & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl = _mm(query_qjl_0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 1) & 1
+                code = code | ((key_bytes_1_1 & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 1
-            code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 2) & 1
+                code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 3) & 1
-            code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 3) & 1
+                code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 1
-            code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 1
+                code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_4, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 5) & 1
-            code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_4, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 5) & 1
+                code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_5, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 1
-            code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_5, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 6) & 1
+                code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_6, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 7) & 1
-            code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_6, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 7) & 1
+                code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
+
+                dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores = dots * key_norm[None, :]
             scores += dots_qjl * key_qjl_row[None, :]
@@ -2988,6 +3063,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
     qjl = torch.tensor(gaussian_matrix(d, d, 7), dtype=torch.float64)
     tables["key_qjl"] = qjl[order][:, order].to(device, torch.float32).contiguous()
 
@@ -3739,6 +3815,7 @@ def decode(
         tables["key_centroids"],
         tables["key_boundaries"],
         tables["key_qjl"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],

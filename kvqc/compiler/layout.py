@@ -501,11 +501,13 @@ class SideLayout:
     def fast_unpack(self) -> str:
         """Decode's PTX unpacking of this side's codes on NVIDIA (kernels/unpack.py.j2), "" for the portable select
         trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
-        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
-        are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
-        and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max codes a norm. Padded
-        chunks, per-channel scales, V's scale groups, QJL, residuals over several planes, absmax scales per token
-        and Lloyd-Max codebooks of more than 16 entries keep the portable path."""
+        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3 bits) and
+        "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile for
+        the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
+        Uniform codes take a scale and zero per token, or K's scales per group of channels (group_dots); Lloyd-Max
+        codes a norm. Padded chunks, per-channel scales, V's scale groups, QJL on V or beside a uniform grid,
+        residuals over several planes, absmax scales per token and Lloyd-Max codebooks of more than 16 entries (8
+        beside QJL's sign) keep the portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
         if self.padded or self.per_channel or (self.group_size and not self.group_dots):
@@ -517,6 +519,8 @@ class SideLayout:
             return f"lut{bits}"
         if kind == "lloyd_max" and residual == "sign" and bits == 3 and one_plane:
             return "lut3s"
+        if kind == "lloyd_max" and residual == "qjl" and self.base == "key" and bits <= 3:
+            return f"lut{bits}qjl"
         return ""
 
     @property
@@ -607,8 +611,11 @@ class SideLayout:
             return "per-channel scales"
         if self.group_size:
             return "scales per group of channels on values"
+        if residual == "qjl" and self.base == "value":
+            return "a QJL residual on V"
         if residual == "qjl":
-            return "a QJL residual"
+            beside = f"a {2 ** bits}-entry codebook" if kind == "lloyd_max" else f"{kind} codes"
+            return f"a QJL residual beside {beside}"
         if kind == "fp8":
             return "fp8 codes, which the hardware converts"
         if residual == "sign":
@@ -621,6 +628,7 @@ class SideLayout:
         """How decode reads this side, in words (`kvqc explain`)."""
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
+            planes += ", the QJL sign bit as a +-1 tile for the projected query's dot" if self.qjl else ""
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"

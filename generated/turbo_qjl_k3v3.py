@@ -2945,6 +2945,32 @@ def _merge_splits(
 
 
 @triton.jit
+def _rotate_query_kernel(
+    query_ptr, key_matrix_ptr, out_ptr, key_qjl_ptr, projected_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order). Then S q, the rotated rows' QJL projection
+    (`key_qjl`, in position order), for the sign tiles' dot: PROJ projected coordinates a dot, so the block of S
+    in flight stays small at any head_dim. The split kernels take both."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
+    rotated = _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
+    tl.store(out_ptr + offsets, rotated, mask=row[:, None] < rows)
+    PROJ: tl.constexpr = 32
+    proj = tl.arange(0, PROJ)
+    for first in tl.static_range(0, HEAD_DIM, PROJ):
+        block = tl.load(key_qjl_ptr + (first + proj)[:, None] * HEAD_DIM + dim[None, :])  # rows of S
+        projected = _mm(rotated, tl.trans(block), PRECISION)
+        tl.store(projected_ptr + row[:, None] * HEAD_DIM + first + proj[None, :], projected, mask=row[:, None] < rows)
+
+
+@triton.jit
 def _decode_reduce_kernel(
     partial_out_ptr,
     partial_max_ptr,
@@ -3639,6 +3665,7 @@ class DecodePlan:
     merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -3700,6 +3727,8 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
+    scratch["projected"] = torch.empty_like(scratch["rotated"])  # S q, for K's QJL dot
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -3719,6 +3748,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         merge=merge,
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -3761,12 +3791,17 @@ def decode(
     output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
     if out is not None:
         _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
     target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -3788,11 +3823,24 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    q = q @ tables["key_rotation"].t()  # rotated once, in position order
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
+    q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
+    _launch_at(
+        launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+        q, tables["key_matrix"], scratch["rotated"], tables["key_qjl"], scratch["projected"], q.shape[0],
+        HEAD_DIM=head_dim, ROWS=16, PRECISION=_DOT_PRECISION, PDL=pdl, launch_pdl=pdl,
+    )
+    q = scratch["rotated"]  # in position order
     q = q.contiguous()
-    q_qjl = (q @ tables["key_qjl"].t()).contiguous()
+    q_qjl = scratch["projected"]  # S q, for the sign tiles' dot
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
     num_splits = plan.num_splits
@@ -3862,9 +3910,54 @@ def decode(
         dtype=query.dtype,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, *scratch.values(), *tables.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
     if target is None:
         return out
     return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
+
+
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
+    return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 def _reduce(

@@ -477,17 +477,19 @@ class SideLayout:
     @property
     def kernel_rotates(self) -> bool:
         """Decode rotates this side's vectors in its kernels, in registers: the split kernels the query into position
-        order (K: one dot with H_C per chunk, butterflies across chunks), the merge the merged output back (V:
-        Walsh-Hadamard butterflies). Where positions are in coordinate order and no QJL projection follows (it stays
-        in the wrapper)."""
-        return self.coordinate_order and not self.qjl
+        order (K: one dot with H_C per chunk, butterflies across chunks; with QJL `_rotate_query_kernel`, which
+        projects it too, Layout.projects_query), the merge the merged output back (V: Walsh-Hadamard butterflies).
+        Where positions are in coordinate order, but not for V with QJL: the wrapper maps its second output through
+        the projection's transpose."""
+        return self.coordinate_order and not (self.qjl and self.base == "value")
 
     @property
     def wrapper_maps(self) -> bool:
         """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
-        do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
-        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype."""
-        return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.qjl
+        do not do themselves, padding positions, a QJL projection no kernel makes): the query before the kernel for
+        K, the output after the merge for V. Otherwise the kernels read the query and write the output in the model's
+        dtype."""
+        return (self.uses_matrix and not self.kernel_rotates) or self.padded or (self.qjl and not self.kernel_rotates)
 
     @property
     def factor_after_matrix(self) -> bool:
@@ -1087,8 +1089,16 @@ class Layout:
     def fuses_query_rotation(self) -> bool:
         """The split kernels can rotate the query themselves (their ROTATE constexpr; `_ROTATE_IN_DECODE` says
         whether they do): rotates_query, except where K's group_dots read the query one unit of columns at a time
-        from `_rotate_query_kernel`'s rows."""
-        return self.rotates_query and not self.key.group_dots
+        from `_rotate_query_kernel`'s rows, or where that kernel projects it for QJL (projects_query)."""
+        return self.rotates_query and not self.key.group_dots and not self.projects_query
+
+    @property
+    def projects_query(self) -> bool:
+        """`_rotate_query_kernel` also makes K's QJL projection of the rotated query (S q, the operand of the sign
+        tiles' dot), in the same launch: a split program would redo the d x d product for its few rows (S is
+        64 KiB of float32 at head_dim 128), and torch would take a launch of its own and keep a plan from
+        replaying (decode_replays)."""
+        return self.rotates_query and self.key.qjl
 
     @property
     def rotates_output(self) -> bool:
@@ -1151,7 +1161,8 @@ class Layout:
     def decode_replays(self) -> bool:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
-        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL, a channel split)
+        (`_Replay`). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL that no kernel maps, a
+        channel split)
         or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
         in_kernels = not self.split and not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)

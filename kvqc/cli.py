@@ -183,8 +183,11 @@ def _explain(args: argparse.Namespace) -> int:
     print("           the query is rotated once and the output rotated back once")
     if layout.projects_query:
         print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its own")
+    elif not layout.fuses_query_rotation and layout.rotates_query:
+        print("           the query: rotated by _rotate_query_kernel, a launch of its own (K's scale-group dots read "
+              "its rows a group at a time)")
     elif layout.rotates_query:
-        apart = not layout.fuses_query_rotation or not decode_tuning(scheme.name)["rotate_in_decode"]
+        apart = not decode_tuning(scheme.name)["rotate_in_decode"]
         print("           the query: rotated " + ("by _rotate_query_kernel, a launch of its own (measured faster here)"
                                               if apart else "by each split program itself, no launch of its own"))
     if layout.split:

@@ -182,7 +182,8 @@ def _explain(args: argparse.Namespace) -> int:
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     print("           the query is rotated once and the output rotated back once")
     if layout.projects_query:
-        print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its own")
+        print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its "
+              "own")
     elif not layout.fuses_query_rotation and layout.rotates_query:
         print("           the query: rotated by _rotate_query_kernel, a launch of its own (K's scale-group dots read "
               "its rows a group at a time)")

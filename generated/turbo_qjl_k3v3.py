@@ -55,7 +55,7 @@ SCHEME = {'head_dims': [128, 256],
  'version': 1}
 HEAD_DIMS = (128, 256)
 # How decode unpacks each side's codes on compiled CUDA with fp16 queries: a PTX kind, or "portable" (`kvqc explain`).
-DECODE_UNPACK = {"key": "portable", "value": "lut3"}
+DECODE_UNPACK = {"key": "lut2qjl", "value": "lut3"}
 KEY_CODE_BITS = 3
 KEY_METADATA = ('norm', 'residual_norm')
 KEY_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole head
@@ -2254,6 +2254,47 @@ def _flatten_kernel(
 
 
 @triton.jit
+def _unpack_lut2qjl(plane0, plane1, field0, field1, lut0, lut1):
+    """2-bit Lloyd-Max indices and the QJL sign bit above them, their bits in 2 planes, -> fp16 codebook entries and +-1
+    signs, two tiles a call: each plane's bits, at bit offset fieldN of its bytes, moved to their place in the code;
+    the sign bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index
+    bits alone make one prmt selector, and prmt reads the entries' low and high bytes (lut: 2 words, as
+    _lut_words packs them)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 c, t, s, l, h, z, m, o;
+        shr.b32 c, $4, $6;
+        and.b32 c, c, 0x01010101;
+        shr.b32 t, $5, $10;
+        and.b32 t, t, 0x03030303;
+        shl.b32 t, t, 1;
+        or.b32 c, c, t;
+        mov.b32 z, 0;
+        shl.b32 t, c, 5;
+        prmt.b32 l, t, z, 0x1404;
+        prmt.b32 h, t, z, 0x3424;
+        mov.b32 m, 0x80008000;
+        mov.b32 o, 0xbc00bc00;
+        lop3.b32 $2, l, m, o, 0x6a;
+        lop3.b32 $3, h, m, o, 0x6a;
+        and.b32 c, c, 0x03030303;
+        shr.b32 t, c, 4;
+        or.b32 t, t, c;
+        prmt.b32 s, t, z, 0x0020;
+        prmt.b32 l, $14, $14, s;
+        prmt.b32 h, $18, $18, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, field0, field1, lut0, lut1],
+        dtype=(tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
     """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
     plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
@@ -2300,6 +2341,7 @@ def _decode_kernel(
     key_centroids_ptr,
     key_boundaries_ptr,
     key_qjl_ptr,
+    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
@@ -2466,6 +2508,9 @@ def _decode_kernel(
     value_c7 = tl.load(value_centroids_ptr + 7)
 
     if FAST_UNPACK:
+        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_1 = tl.load(key_lut_ptr + 1)
+
         value_lut_0 = tl.load(value_lut_ptr + 0)
         value_lut_1 = tl.load(value_lut_ptr + 1)
         value_lut_2 = tl.load(value_lut_ptr + 2)
@@ -2535,128 +2580,158 @@ def _decode_kernel(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
             key_bytes_1_0 = tl.load(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
             key_bytes_1_1 = tl.load(
                 key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK
                 + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
-            ).to(tl.int32)
+            )
 
             key_norm = key_norm_raw.to(tl.float32)
             key_residual_norm = key_residual_norm_raw.to(tl.float32)
             # E[sign(<s, r>) s] = sqrt(2/pi) r / |r| for a Gaussian row s: this factor makes the estimate unbiased.
             key_qjl_row = key_norm * key_residual_norm * 1.2533141373155001 / HEAD_DIM
 
-            code = key_bytes_0_0 & 1
-            code = code | ((key_bytes_1_0 & 3) << 1)
+            if FAST_UNPACK:
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 0, 0, key_lut_0, key_lut_1)
+                dots = tl.dot(query_0, tl.trans(tile))
+                dots_qjl = tl.dot(query_qjl_0, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 1, 0, key_lut_0, key_lut_1)
+                dots += tl.dot(query_1, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_1, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 2, 2, key_lut_0, key_lut_1)
+                dots += tl.dot(query_2, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_2, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 3, 2, key_lut_0, key_lut_1)
+                dots += tl.dot(query_3, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_3, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 4, 4, key_lut_0, key_lut_1)
+                dots += tl.dot(query_4, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_4, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 5, 4, key_lut_0, key_lut_1)
+                dots += tl.dot(query_5, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_5, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 6, 6, key_lut_0, key_lut_1)
+                dots += tl.dot(query_6, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_6, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 7, 6, key_lut_0, key_lut_1)
+                dots += tl.dot(query_7, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_7, tl.trans(signs))
+            else:
+                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
+                key_bytes_1_0 = key_bytes_1_0.to(tl.int32)
+                key_bytes_1_1 = key_bytes_1_1.to(tl.int32)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                code = key_bytes_0_0 & 1
+                code = code | ((key_bytes_1_0 & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl = _mm(query_qjl_0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 1) & 1
-            code = code | ((key_bytes_1_1 & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl = _mm(query_qjl_0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 1) & 1
+                code = code | ((key_bytes_1_1 & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 2) & 1
-            code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 2) & 1
+                code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 3) & 1
-            code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 3) & 1
+                code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 4) & 1
-            code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 4) & 1
+                code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_4, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 5) & 1
-            code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_4, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 5) & 1
+                code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_5, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 6) & 1
-            code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_5, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 6) & 1
+                code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_6, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-            code = (key_bytes_0_0 >> 7) & 1
-            code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+                dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_6, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_bytes_0_0 >> 7) & 1
+                code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
 
-            positive = (code & 4) != 0
-            signs = tl.where(positive, 1.0, -1.0)
+                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
+                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
+                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
+                tile = lut_1_0
 
-            dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-            dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                positive = (code & 4) != 0
+                signs = tl.where(positive, 1.0, -1.0)
+
+                dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores = dots * key_norm[None, :]
             scores += dots_qjl * key_qjl_row[None, :]
@@ -2870,6 +2945,32 @@ def _merge_splits(
 
 
 @triton.jit
+def _rotate_query_kernel(
+    query_ptr, key_matrix_ptr, out_ptr, key_qjl_ptr, projected_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
+    H_d as butterflies (position order is the rotated coordinates' order). Then S q, the rotated rows' QJL projection
+    (`key_qjl`, in position order), for the sign tiles' dot: PROJ projected coordinates a dot, so the block of S
+    in flight stays small at any head_dim. The split kernels take both."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # as in _decode_kernel
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, HEAD_DIM)
+    offsets = row[:, None] * HEAD_DIM + dim[None, :]
+    query = tl.load(query_ptr + offsets, mask=row[:, None] < rows, other=0.0).to(tl.float32)
+    query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
+    rotated = _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
+    tl.store(out_ptr + offsets, rotated, mask=row[:, None] < rows)
+    PROJ: tl.constexpr = 32
+    proj = tl.arange(0, PROJ)
+    for first in tl.static_range(0, HEAD_DIM, PROJ):
+        block = tl.load(key_qjl_ptr + (first + proj)[:, None] * HEAD_DIM + dim[None, :])  # rows of S
+        projected = _mm(rotated, tl.trans(block), PRECISION)
+        tl.store(projected_ptr + row[:, None] * HEAD_DIM + first + proj[None, :], projected, mask=row[:, None] < rows)
+
+
+@triton.jit
 def _decode_reduce_kernel(
     partial_out_ptr,
     partial_max_ptr,
@@ -2988,6 +3089,7 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
+    tables["key_lut"] = _lut_words(centroids).to(device)
     qjl = torch.tensor(gaussian_matrix(d, d, 7), dtype=torch.float64)
     tables["key_qjl"] = qjl[order][:, order].to(device, torch.float32).contiguous()
 
@@ -3564,6 +3666,7 @@ class DecodePlan:
     merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -3625,6 +3728,8 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
+    scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
+    scratch["projected"] = torch.empty_like(scratch["rotated"])  # S q, for K's QJL dot
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -3644,6 +3749,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         merge=merge,
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -3686,12 +3792,17 @@ def decode(
     output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
     if out is not None:
         _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
     target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -3713,11 +3824,24 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
-    q = q @ tables["key_rotation"].t()  # rotated once, in position order
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
+    q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
+    _launch_at(
+        launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+        q, tables["key_matrix"], scratch["rotated"], tables["key_qjl"], scratch["projected"], q.shape[0],
+        HEAD_DIM=head_dim, ROWS=16, PRECISION=_DOT_PRECISION, PDL=pdl, launch_pdl=pdl,
+    )
+    q = scratch["rotated"]  # in position order
     q = q.contiguous()
-    q_qjl = (q @ tables["key_qjl"].t()).contiguous()
+    q_qjl = scratch["projected"]  # S q, for the sign tiles' dot
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
     num_splits = plan.num_splits
@@ -3740,6 +3864,7 @@ def decode(
         tables["key_centroids"],
         tables["key_boundaries"],
         tables["key_qjl"],
+        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
@@ -3786,9 +3911,54 @@ def decode(
         dtype=query.dtype,
     )
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, *scratch.values(), *tables.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
     if target is None:
         return out
     return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
+
+
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
+    return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
 
 
 def _reduce(

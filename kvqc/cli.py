@@ -181,7 +181,13 @@ def _explain(args: argparse.Namespace) -> int:
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     print("           the query is rotated once and the output rotated back once")
-    if layout.rotates_query:
+    if layout.projects_query:
+        print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its "
+              "own")
+    elif not layout.fuses_query_rotation and layout.rotates_query:
+        print("           the query: rotated by _rotate_query_kernel, a launch of its own (K's scale-group dots read "
+              "its rows a group at a time)")
+    elif layout.rotates_query:
         apart = not decode_tuning(scheme.name)["rotate_in_decode"]
         print("           the query: rotated " + ("by _rotate_query_kernel, a launch of its own (measured faster here)"
                                               if apart else "by each split program itself, no launch of its own"))

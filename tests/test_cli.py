@@ -760,6 +760,16 @@ def test_explain_says_why_a_side_decodes_on_the_portable_path(capsys):
     assert "merge: _merge_parts_kernel, a launch of its own" in out
 
 
+def test_explain_says_how_a_qjl_key_decodes(capsys):
+    """A QJL key names its PTX helper (index and sign bits from both planes, the sign tile for the projected query's
+    dot) and the kernel that rotates and projects the query, so a plan replays its launches."""
+    assert main(["explain", str(SCHEME_DIR / "turbo_qjl_k3v3.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "key: PTX unpacking (lut2qjl, bits gathered from each plane, the QJL sign bit as a +-1 tile" in out
+    assert "the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel" in out
+    assert "with a plan: later layers replay the first layer's launches" in out
+
+
 # (scheme, head_dim) pairs a shipped scheme is not built for: turbo_qjl_k3v3's 3-bit codes need head_dim >= 128.
 NOT_BUILT = {(name, 64) for name in ("turbo_qjl_k3v3", "metal_q4_0_q3_0", "metal_q5_0_q3_0", "metal_q8_0_q3_0",
                                      "metal_uint2_q2_0", "sign1_window")}

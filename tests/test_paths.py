@@ -25,6 +25,12 @@ def test_decode_takes_the_unpacking_its_plan_promises(name):
         # One call per tile (or per head_dim's branch, or per pair of chunks: `_pairs`), all of the planned kind.
         calls = re.findall(rf"= _unpack_(\w+?)(?:_words|_pairs)?\(\s*{side}_(?:bytes_0_0|words|pair_0)\b", source)
         assert sorted(set(calls)) == ([kind] if kind != "portable" else []), (side, calls)
+    for side in layout.sides:
+        if side.qjl and side.fast_unpack:
+            # A QJL side's helper returns each chunk's sign tile too, and the projected query's dot takes it.
+            made = re.findall(rf"tile, signs = _unpack_{side.fast_unpack}\(\s*{side.name}_bytes_0_", source)
+            dots = re.findall(rf"dots_qjl \+?= tl\.dot\(query_{side.tag}qjl_\d+, tl\.trans\(signs\)\)", source)
+            assert len(made) == len(dots) == side.chunks, (side.name, made, dots)
     if any(kind != "portable" for kind in m.DECODE_UNPACK.values()):
         assert "if FAST_UNPACK:" in source
         assert m._FAST_UNPACK == (DEVICE.type == "cuda")

@@ -477,18 +477,19 @@ class SideLayout:
     @property
     def kernel_rotates(self) -> bool:
         """Decode rotates this side's vectors in its kernels, in registers: the split kernels the query into position
-        order (K: one dot with H_C per chunk, butterflies across chunks), the merge the merged output back (V:
-        Walsh-Hadamard butterflies). Where positions are in coordinate order and no QJL projection follows (it stays
-        in the wrapper)."""
-        return self.coordinate_order and not self.qjl
+        order (K: one dot with H_C per chunk, butterflies across chunks; with QJL `_rotate_query_kernel`, which
+        projects it too, Layout.projects_query), the merge the merged output back (V: Walsh-Hadamard butterflies).
+        Where positions are in coordinate order, but not for V with QJL: the wrapper maps its second output through
+        the projection's transpose."""
+        return self.coordinate_order and not (self.qjl and self.base == "value")
 
     @property
     def wrapper_maps(self) -> bool:
         """Decode's wrapper moves this side's vectors in torch, in float32 (a rotation or permutation the kernels
-        do not do themselves, padding positions, QJL's projection): the query before the kernel for K, the output
-        after the merge for V. Otherwise the kernels read the query and write the output in the model's dtype. A
-        channel split's parts move in kernels of their own (kernels/parts.py.j2) whatever this says."""
-        return (self.uses_matrix and not self.kernel_rotates) or self.padded or self.qjl
+        do not do themselves, padding positions, a QJL projection no kernel makes): the query before the kernel for
+        K, the output after the merge for V. Otherwise the kernels read the query and write the output in the model's
+        dtype. A channel split's parts move in kernels of their own (kernels/parts.py.j2) whatever this says."""
+        return (self.uses_matrix and not self.kernel_rotates) or self.padded or (self.qjl and not self.kernel_rotates)
 
     @property
     def factor_after_matrix(self) -> bool:
@@ -502,15 +503,17 @@ class SideLayout:
     def fast_unpack(self) -> str:
         """Decode's PTX unpacking of this side's codes on NVIDIA (kernels/unpack.py.j2), "" for the portable select
         trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
-        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8) and "lut<bits>" (1 or 3 bits)
-        are made by one helper per kind that gathers a code's bits from every plane. Uniform codes take a scale
-        and zero per token, or scales that stay outside the tiles: per group of channels (group_dots) or K's per
-        channel (channel_dots); Lloyd-Max codes a norm. V's per-channel scales, scale groups without group_dots,
-        QJL, residuals over several planes, absmax scales per token and Lloyd-Max codebooks of more than 16 entries
-        keep the portable path. Chunks padded to a power of two take the helpers as whole ones do: the load masks
-        the padding columns' bytes to 0, and what code 0 decodes to there (a finite codebook entry or grid level)
-        meets zeros: K's padded query columns, and the padding rows of V's way back (the matrix's, or the positions
-        the wrapper keeps), as on the portable path."""
+        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3 bits) and
+        "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile for
+        the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
+        Uniform codes take a scale and zero per token, or scales that stay outside the tiles: per group of channels
+        (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm. V's per-channel scales, scale
+        groups without group_dots, QJL on V or beside a uniform grid, residuals over several planes, absmax scales
+        per token and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable path.
+        Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns'
+        bytes to 0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded
+        query columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as
+        on the portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
         if (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
@@ -523,6 +526,8 @@ class SideLayout:
             return f"lut{bits}"
         if kind == "lloyd_max" and residual == "sign" and bits == 3 and one_plane:
             return "lut3s"
+        if kind == "lloyd_max" and residual == "qjl" and self.base == "key" and bits <= 3:
+            return f"lut{bits}qjl"
         return ""
 
     @property
@@ -644,8 +649,11 @@ class SideLayout:
             if self.split:
                 return "scales per group of channels in a channel split"
             return "scales per group of channels on fp8 codes" if kind == "fp8" else "scale groups under 16 columns"
+        if residual == "qjl" and self.base == "value":
+            return "a QJL residual on V"
         if residual == "qjl":
-            return "a QJL residual"
+            beside = f"a {2 ** bits}-entry codebook" if kind == "lloyd_max" else f"{kind} codes"
+            return f"a QJL residual beside {beside}"
         if kind == "fp8":
             return "fp8 codes, which the hardware converts"
         if residual == "sign":
@@ -658,6 +666,7 @@ class SideLayout:
         """How decode reads this side, in words (`kvqc explain`)."""
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
+            planes += ", the QJL sign bit as a +-1 tile for the projected query's dot" if self.qjl else ""
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"
@@ -1120,8 +1129,16 @@ class Layout:
     def fuses_query_rotation(self) -> bool:
         """The split kernels can rotate the query themselves (their ROTATE constexpr; `_ROTATE_IN_DECODE` says
         whether they do): rotates_query, except where K's group_dots read the query one unit of columns at a time
-        from `_rotate_query_kernel`'s rows."""
-        return self.rotates_query and not self.key.group_dots
+        from `_rotate_query_kernel`'s rows, or where that kernel projects it for QJL (projects_query)."""
+        return self.rotates_query and not self.key.group_dots and not self.projects_query
+
+    @property
+    def projects_query(self) -> bool:
+        """`_rotate_query_kernel` also makes K's QJL projection of the rotated query (S q, the operand of the sign
+        tiles' dot), in the same launch: a split program would redo the d x d product for its few rows (S is
+        64 KiB of float32 at head_dim 128), and torch would take a launch of its own and keep a plan from
+        replaying (decode_replays)."""
+        return self.rotates_query and self.key.qjl
 
     @property
     def rotates_output(self) -> bool:
@@ -1185,7 +1202,8 @@ class Layout:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors
         (`_Replay`). A channel split's are (kernels/parts.py.j2 maps its parts; a replay first sees that the
-        cache's channel orders are set). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL)
+        cache's channel orders are set). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL
+        that no kernel maps)
         or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
         in_kernels = self.split or not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)

@@ -2254,18 +2254,22 @@ def _flatten_kernel(
 
 
 @triton.jit
-def _unpack_lut2qjl(plane0, plane1, field0, field1, lut0, lut1):
+def _unpack_lut2qjl_pairs(plane0, plane1, upper, field0, field1, lut0, lut1):
     """2-bit Lloyd-Max indices and the QJL sign bit above them, their bits in 2 planes, -> fp16 codebook entries and +-1
     signs, two tiles a call: each plane's bits, at bit offset fieldN of its bytes, moved to their place in the code;
     the sign bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index
     bits alone make one prmt selector, and prmt reads the entries' low and high bytes (lut: 2 words, as
     _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
+    # its next field (a select of the byte shifted once more).
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 c, t, s, l, h, z, m, o;
-        shr.b32 c, $4, $6;
+        .reg .b32 c, t, u, s, l, h, z, m, o;
+        shr.b32 c, $4, $7;
+        shr.b32 u, c, 1;
+        lop3.b32 c, u, c, $6, 0xe4;
         and.b32 c, c, 0x01010101;
-        shr.b32 t, $5, $10;
+        shr.b32 t, $5, $11;
         and.b32 t, t, 0x03030303;
         shl.b32 t, t, 1;
         or.b32 c, c, t;
@@ -2281,13 +2285,13 @@ def _unpack_lut2qjl(plane0, plane1, field0, field1, lut0, lut1):
         shr.b32 t, c, 4;
         or.b32 t, t, c;
         prmt.b32 s, t, z, 0x0020;
-        prmt.b32 l, $14, $14, s;
-        prmt.b32 h, $18, $18, s;
+        prmt.b32 l, $15, $15, s;
+        prmt.b32 h, $19, $19, s;
         prmt.b32 $0, l, h, 0x5140;
         prmt.b32 $1, l, h, 0x7362;
         }""",
-        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-        args=[plane0, plane1, field0, field1, lut0, lut1],
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, plane1, upper, field0, field1, lut0, lut1],
         dtype=(tl.float16, tl.float16),
         is_pure=False,
         pack=4,
@@ -2400,99 +2404,54 @@ def _decode_kernel(
     if skip:
         return
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
-    key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_0 = query.to(DOT_DTYPE)
-    query_qjl_0 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
+    key_pair = tl.arange(0, 2 * KEY_CHUNK)
+    key_upper = tl.where(key_pair >= KEY_CHUNK, 255, 0).to(tl.uint8)[None, :]
+    key_upper_bits = (key_pair >= KEY_CHUNK).to(tl.int32)[None, :]
+    query_p0 = tl.load(
+        query_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_1 = query.to(DOT_DTYPE)
-    query_qjl_1 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+    query_qjl_p0 = tl.load(
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_2 = query.to(DOT_DTYPE)
-    query_qjl_2 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
+    query_p1 = tl.load(
+        query_ptr + q_row[:, None] * HEAD_DIM + 1 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_3 = query.to(DOT_DTYPE)
-    query_qjl_3 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
+    query_qjl_p1 = tl.load(
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 1 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_4 = query.to(DOT_DTYPE)
-    query_qjl_4 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :],
+    query_p2 = tl.load(
+        query_ptr + q_row[:, None] * HEAD_DIM + 2 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_5 = query.to(DOT_DTYPE)
-    query_qjl_5 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :],
+    query_qjl_p2 = tl.load(
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 2 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_6 = query.to(DOT_DTYPE)
-    query_qjl_6 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :],
+    query_p3 = tl.load(
+        query_ptr + q_row[:, None] * HEAD_DIM + 3 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
-    query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    query_7 = query.to(DOT_DTYPE)
-    query_qjl_7 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :],
+    query_qjl_p3 = tl.load(
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 3 * 2 * KEY_CHUNK + key_pair[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
+
     key_c0 = tl.load(key_centroids_ptr + 0)
     key_c1 = tl.load(key_centroids_ptr + 1)
     key_c2 = tl.load(key_centroids_ptr + 2)
@@ -2576,19 +2535,13 @@ def _decode_kernel(
             )
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
-            key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
+            key_pair_0 = tl.load(
+                key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + (key_pair % KEY_CHUNK)[None, :],
                 mask=valid[:, None],
                 other=0,
             )
-            key_bytes_1_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
-            )
-            key_bytes_1_1 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK
-                + key_chunk[None, :],
+            key_pair_1_0 = tl.load(
+                key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_pair[None, :],
                 mask=valid[:, None],
                 other=0,
             )
@@ -2599,38 +2552,23 @@ def _decode_kernel(
             key_qjl_row = key_norm * key_residual_norm * 1.2533141373155001 / HEAD_DIM
 
             if FAST_UNPACK:
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 0, 0, key_lut_0, key_lut_1)
-                dots = tl.dot(query_0, tl.trans(tile))
-                dots_qjl = tl.dot(query_qjl_0, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 1, 0, key_lut_0, key_lut_1)
-                dots += tl.dot(query_1, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_1, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 2, 2, key_lut_0, key_lut_1)
-                dots += tl.dot(query_2, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_2, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 3, 2, key_lut_0, key_lut_1)
-                dots += tl.dot(query_3, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_3, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 4, 4, key_lut_0, key_lut_1)
-                dots += tl.dot(query_4, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_4, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 5, 4, key_lut_0, key_lut_1)
-                dots += tl.dot(query_5, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_5, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_0, 6, 6, key_lut_0, key_lut_1)
-                dots += tl.dot(query_6, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_6, tl.trans(signs))
-                tile, signs = _unpack_lut2qjl(key_bytes_0_0, key_bytes_1_1, 7, 6, key_lut_0, key_lut_1)
-                dots += tl.dot(query_7, tl.trans(tile))
-                dots_qjl += tl.dot(query_qjl_7, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl_pairs(key_pair_0, key_pair_1_0, key_upper, 0, 0, key_lut_0, key_lut_1)
+                dots = tl.dot(query_p0, tl.trans(tile))
+                dots_qjl = tl.dot(query_qjl_p0, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl_pairs(key_pair_0, key_pair_1_0, key_upper, 2, 2, key_lut_0, key_lut_1)
+                dots += tl.dot(query_p1, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_p1, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl_pairs(key_pair_0, key_pair_1_0, key_upper, 4, 4, key_lut_0, key_lut_1)
+                dots += tl.dot(query_p2, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_p2, tl.trans(signs))
+                tile, signs = _unpack_lut2qjl_pairs(key_pair_0, key_pair_1_0, key_upper, 6, 6, key_lut_0, key_lut_1)
+                dots += tl.dot(query_p3, tl.trans(tile))
+                dots_qjl += tl.dot(query_qjl_p3, tl.trans(signs))
             else:
-                key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
-                key_bytes_1_0 = key_bytes_1_0.to(tl.int32)
-                key_bytes_1_1 = key_bytes_1_1.to(tl.int32)
-
-                code = key_bytes_0_0 & 1
-                code = code | ((key_bytes_1_0 & 3) << 1)
-
+                key_pair_0 = key_pair_0.to(tl.int32)
+                key_pair_1_0 = key_pair_1_0.to(tl.int32)
+                code = (key_pair_0 >> key_upper_bits) & 1
+                code = code | ((key_pair_1_0 & 3) << 1)
                 lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
                 lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
                 lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
@@ -2639,11 +2577,10 @@ def _decode_kernel(
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
 
-                dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl = _mm(query_qjl_0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 1) & 1
-                code = code | ((key_bytes_1_1 & 3) << 1)
-
+                dots = _mm(query_p0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl = _mm(query_qjl_p0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_pair_0 >> (2 + key_upper_bits)) & 1
+                code = code | (((key_pair_1_0 >> 2) & 3) << 1)
                 lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
                 lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
                 lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
@@ -2652,11 +2589,10 @@ def _decode_kernel(
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
 
-                dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 2) & 1
-                code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
-
+                dots += _mm(query_p1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_p1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_pair_0 >> (4 + key_upper_bits)) & 1
+                code = code | (((key_pair_1_0 >> 4) & 3) << 1)
                 lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
                 lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
                 lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
@@ -2665,11 +2601,10 @@ def _decode_kernel(
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
 
-                dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 3) & 1
-                code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
-
+                dots += _mm(query_p2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_p2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                code = (key_pair_0 >> (6 + key_upper_bits)) & 1
+                code = code | (((key_pair_1_0 >> 6) & 3) << 1)
                 lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
                 lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
                 lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
@@ -2678,60 +2613,8 @@ def _decode_kernel(
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
 
-                dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 4) & 1
-                code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
-
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
-
-                positive = (code & 4) != 0
-                signs = tl.where(positive, 1.0, -1.0)
-
-                dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_4, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 5) & 1
-                code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
-
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
-
-                positive = (code & 4) != 0
-                signs = tl.where(positive, 1.0, -1.0)
-
-                dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_5, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 6) & 1
-                code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
-
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
-
-                positive = (code & 4) != 0
-                signs = tl.where(positive, 1.0, -1.0)
-
-                dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_6, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
-                code = (key_bytes_0_0 >> 7) & 1
-                code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
-
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
-
-                positive = (code & 4) != 0
-                signs = tl.where(positive, 1.0, -1.0)
-
-                dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
-                dots_qjl += _mm(query_qjl_7, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
+                dots += _mm(query_p3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
+                dots_qjl += _mm(query_qjl_p3, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
 
             scores = dots * key_norm[None, :]
             scores += dots_qjl * key_qjl_row[None, :]

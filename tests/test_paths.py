@@ -27,10 +27,13 @@ def test_decode_takes_the_unpacking_its_plan_promises(name):
         assert sorted(set(calls)) == ([kind] if kind != "portable" else []), (side, calls)
     for side in layout.sides:
         if side.qjl and side.fast_unpack:
-            # A QJL side's helper returns each chunk's sign tile too, and the projected query's dot takes it.
-            made = re.findall(rf"tile, signs = _unpack_{side.fast_unpack}\(\s*{side.name}_bytes_0_", source)
-            dots = re.findall(rf"dots_qjl \+?= tl\.dot\(query_{side.tag}qjl_\d+, tl\.trans\(signs\)\)", source)
-            assert len(made) == len(dots) == side.chunks, (side.name, made, dots)
+            # A QJL side's helper returns the sign tile of each chunk (or pair of chunks) too, and the projected
+            # query's dot takes it.
+            helper = rf"tile, signs = _unpack_{side.fast_unpack}(?:_pairs)?\(\s*{side.name}_(?:bytes|pair)_0"
+            made = re.findall(helper, source)
+            dots = re.findall(rf"dots_qjl \+?= tl\.dot\(query_{side.tag}qjl_p?\d+, tl\.trans\(signs\)\)", source)
+            tiles = side.chunks // 2 if side.pairs else side.chunks
+            assert len(made) == len(dots) == tiles, (side.name, made, dots)
     if any(kind != "portable" for kind in m.DECODE_UNPACK.values()):
         assert "if FAST_UNPACK:" in source
         assert m._FAST_UNPACK == (DEVICE.type == "cuda")

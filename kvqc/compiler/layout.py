@@ -538,15 +538,18 @@ class SideLayout:
 
     @property
     def pairs(self) -> bool:
-        """V's plane_unpack tiles span two chunks (2 * head_dim / chunks columns) where a chunk is narrower than 32
-        columns at some head_dim: Triton 3.6 stages a 16-column tl.dot B operand through shared memory column-major,
-        one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a 32-column one
-        row-major in 16-byte stores. Chunks 2k and 2k + 1 read the same bytes of the narrowest plane (fields 2k and
-        2k + 1) and adjacent byte runs, at one field, of every other plane. Not with padded chunks, whose pair would
-        hold the lower chunk's padding in its middle, nor group_dots' units."""
-        if self.base != "value" or not self.plane_unpack or self.split or self.padded or self.group_dots:
+        """V's plane_unpack tiles, and a QJL K's, span two chunks (2 * head_dim / chunks columns) where a chunk is
+        narrower than 32 columns at some head_dim: Triton 3.6 stages a 16-column tl.dot B operand through shared
+        memory column-major, one 2-byte store per element (128 a 32-token tile for 3-bit codes at head_dim 128), a
+        32-column one row-major in 16-byte stores, with half the barriers. K's tiles are B operands as
+        tl.trans(tile), and a QJL K has two a chunk (its codebook and sign tiles): sm_90 PTX of turbo_qjl_k3v3's
+        decode loop, 32-token tiles, one warp, 258 such stores and 28 barriers a tile in chunks. Chunks 2k and 2k + 1
+        read the same bytes of the narrowest plane (fields 2k and 2k + 1) and adjacent byte runs, at one field, of
+        every other plane. Not with padded chunks, whose pair would hold the lower chunk's padding in its middle,
+        nor group_dots' units."""
+        if not self.plane_unpack or self.split or self.padded or self.group_dots or self.chunks < 2:
             return False
-        if self.chunks < 2:
+        if self.base == "key" and not self.qjl:
             return False
         return any(self.part_dim(d) // self.chunks < 32 for d in self.head_dims)
 

@@ -2178,7 +2178,7 @@ def _query_parts_kernel(
     pos = tl.arange(0, KEY_OUTLIER_DIM)
     KEY_OUTLIER_BLOCK: tl.constexpr = min(KEY_OUTLIER_DIM, 32)
     x = tl.zeros([ROWS, KEY_OUTLIER_DIM], tl.float32)
-    for first in tl.static_range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
+    for first in range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
         block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
         column = tl.load(
@@ -2194,7 +2194,7 @@ def _query_parts_kernel(
     pos = tl.arange(0, KEY_PAD)
     KEY_BLOCK: tl.constexpr = min(KEY_PAD, 32)
     x = tl.zeros([ROWS, KEY_PAD], tl.float32)
-    for first in tl.static_range(0, KEY_PAD, KEY_BLOCK):
+    for first in range(0, KEY_PAD, KEY_BLOCK):
         block = first + tl.arange(0, KEY_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_DIM)[None, :]
         column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask=mask, other=0)
@@ -2262,7 +2262,7 @@ def _merge_parts_kernel(
         other=0.0,
     )
     merged = tl.sum(acc * weight[:, None], axis=0)
-    for first in tl.static_range(0, VALUE_OUTLIER_DIM, VALUE_OUTLIER_BLOCK):
+    for first in range(0, VALUE_OUTLIER_DIM, VALUE_OUTLIER_BLOCK):
         block = first + tl.arange(0, VALUE_OUTLIER_BLOCK)  # columns of the part
         matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
@@ -2274,7 +2274,7 @@ def _merge_parts_kernel(
     VALUE_BLOCK: tl.constexpr = min(VALUE_PAD, 32)
     acc = tl.load(partial_out_ptr + part[:, None] * VALUE_PAD + pos[None, :], mask=has[:, None], other=0.0)
     merged = tl.sum(acc * weight[:, None], axis=0)
-    for first in tl.static_range(0, VALUE_PAD, VALUE_BLOCK):
+    for first in range(0, VALUE_PAD, VALUE_BLOCK):
         block = first + tl.arange(0, VALUE_BLOCK)  # columns of the part
         matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]

@@ -2847,7 +2847,8 @@ def _rotate_query_kernel(
     tl.store(out_ptr + offsets, rotated, mask=row[:, None] < rows)
     PROJ: tl.constexpr = 32
     proj = tl.arange(0, PROJ)
-    for first in tl.static_range(0, HEAD_DIM, PROJ):
+    # A loop, not unrolled: unrolled, every block's dot keeps shared memory of its own, past an SM's at d=256.
+    for first in range(0, HEAD_DIM, PROJ):
         block = tl.load(key_qjl_ptr + (first + proj)[:, None] * HEAD_DIM + dim[None, :])  # rows of S
         projected = _mm(rotated, tl.trans(block), PRECISION)
         tl.store(projected_ptr + row[:, None] * HEAD_DIM + first + proj[None, :], projected, mask=row[:, None] < rows)

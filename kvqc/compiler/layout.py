@@ -342,11 +342,39 @@ class SideLayout:
     def chunk_code(self, c: int) -> tuple[str, ...]:
         """What `code` is set to, line by line, to gather chunk c's codes from the loaded bytes: the first plane's
         field, then each further plane's field or'ed in above the bits before it."""
+        places = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            places.append((f"{self.name}_bytes_{i}_{c % ranges}", c // ranges * plane.width))
+        return self._gathered(places)
+
+    def pair_fields(self, k: int) -> tuple[tuple[str, int], ...]:
+        """Pair k's loads (SideLayout.pairs) and the bit offset of its field in each, per plane: the narrowest
+        plane's bytes twice over (`<side>_pair_0`, at the lower chunk's field), every other plane's byte run j."""
         out = []
         for i, plane in enumerate(self.planes):
             ranges = self.ranges(plane)
-            field, loaded = c // ranges, f"{self.name}_bytes_{i}_{c % ranges}"
-            bits = f"({loaded} >> {field * plane.width})" if field else loaded
+            loaded = f"{self.name}_pair_{i}_{2 * k % ranges // 2}" if i else f"{self.name}_pair_0"
+            out.append((loaded, 2 * k // ranges * plane.width))
+        return tuple(out)
+
+    def pair_code(self, k: int) -> tuple[str, ...]:
+        """chunk_code for pair k on the portable path: the narrowest plane's field one further where `upper`."""
+        upper = f"{self.name}_upper_bits"
+        return self._gathered([(loaded, (f"({field} + {upper})" if field else upper) if i == 0 else field)
+                               for i, (loaded, field) in enumerate(self.pair_fields(k))])
+
+    def unit_code(self, unit: dict) -> tuple[str, ...]:
+        """chunk_code for one of group_dots' units (an item of `units`), from its byte runs as int32."""
+        return self._gathered([(f"{self.name}_bytes_{i}_{place['window']}.to(tl.int32)", place["field"] * plane.width)
+                               for i, (plane, place) in enumerate(zip(self.planes, unit["planes"]))])
+
+    def _gathered(self, places) -> tuple[str, ...]:
+        """`code`'s lines from each plane's (loaded bytes, right shift to its field): that plane's bits, or'ed in
+        above the bits of the planes before it."""
+        out = []
+        for i, (plane, (loaded, shift)) in enumerate(zip(self.planes, places)):
+            bits = f"({loaded} >> {shift})" if shift else loaded
             bits += f" & {2 ** plane.width - 1}" if plane.width < 8 else ""
             out.append(f"code | (({bits}) << {plane.shift})" if i else bits)
         return tuple(out)

@@ -160,16 +160,15 @@ def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_p
     assert json.loads(path.read_text(encoding="utf-8"))["fill_programs"] == {"named": {"128": 6}}
 
 
-def test_looping_fill_launches_with_the_register_cap(monkeypatch):
-    """A fill of several tiles a program passes the module's cap as maxnreg (with 2 stages) and writes what the
-    reference writes; a one-tile fill, as a decode step's, launches without either."""
+def _looping_fill(head_dim: int, monkeypatch):
+    """turbo_k4v2's module and its fill's launches at head_dim: 193 tokens (4 tiles of 64) over 2 programs, checked
+    against the reference, then a one-tile fill of 5 skipped tokens."""
     import torch
     from conftest import DEVICE
     from test_kernels import check_fill, make_case, snapshot
 
-    case = make_case("turbo_k4v2", 128, 16, 1, [100, 90], torch.float16, seed=7)  # 193 tokens: 4 tiles of 64
+    case = make_case("turbo_k4v2", head_dim, 16, 1, [100, 90], torch.float16, seed=7)
     m = case.module
-    assert repr(m._FILL_MAX_REGISTERS) == codegen.decode_tuning("turbo_k4v2")["fill_registers"]
     spy = LaunchSpy(m._fill_kernel)
     monkeypatch.setattr(m, "_fill_kernel", spy)
     monkeypatch.setattr(m, "_target_programs", lambda device, per_sm: 2)  # the interpreter's count, on a GPU too
@@ -178,7 +177,14 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
     check_fill(case, before)
     one = case.key[:5]
     m.fill(case.cache, one, one, torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
-    looping, single = spy.launches
+    return m, spy.launches
+
+
+def test_looping_fill_launches_with_the_register_cap(monkeypatch):
+    """A fill of several tiles a program passes the module's cap as maxnreg (with 2 stages) and writes what the
+    reference writes; a one-tile fill, as a decode step's, launches without either."""
+    m, (looping, single) = _looping_fill(128, monkeypatch)
+    assert repr(m._FILL_MAX_REGISTERS) == codegen.decode_tuning("turbo_k4v2")["fill_registers"]
     # 2 programs: 4 tiles make 2 a program.
     assert looping["tiles"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS[128] and looping["num_stages"] == 2
     assert single["tiles"] == 1 and "maxnreg" not in single and "num_stages" not in single
@@ -187,17 +193,6 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
 def test_looping_fill_is_uncapped_where_no_cap_was_measured(monkeypatch):
     """The cap belongs to the head_dim it was measured at: a wider head needs more registers (turbo_k4v2's fill at
     head_dim 256 does not compile under 168), so a fill there launches with the compiler's count."""
-    import torch
-    from test_kernels import check_fill, make_case, snapshot
-
-    case = make_case("turbo_k4v2", 256, 16, 1, [100, 90], torch.float16, seed=7)
-    m = case.module
+    m, (looping, _) = _looping_fill(256, monkeypatch)
     assert 256 not in m._FILL_MAX_REGISTERS
-    spy = LaunchSpy(m._fill_kernel)
-    monkeypatch.setattr(m, "_fill_kernel", spy)
-    monkeypatch.setattr(m, "_target_programs", lambda device, per_sm: 2)
-    before = snapshot(case.cache)
-    m.fill(case.cache, case.key, case.value, case.slot_mapping)
-    check_fill(case, before)
-    (looping,) = spy.launches
     assert looping["tiles"] == 2 and looping["maxnreg"] is None and looping["num_stages"] == 2

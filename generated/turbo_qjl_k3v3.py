@@ -187,6 +187,21 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION: tl.constexpr):
+    """S x, the QJL projection of query rows x [ROWS, WIDTH] in position order (S: WIDTH x WIDTH float32 at
+    qjl_ptr), stored at out_ptr's rows `row` where `real`: the operand of K's sign tiles' dot. BLOCK rows of S a dot,
+    so the block in flight stays small at any head_dim; a loop, not unrolled, because unrolled every block's dot keeps
+    shared memory of its own, past an SM's at head_dim 256."""
+    BLOCK: tl.constexpr = min(WIDTH, 32)
+    dim = tl.arange(0, WIDTH)
+    for first in range(0, WIDTH, BLOCK):
+        block = first + tl.arange(0, BLOCK)
+        matrix = tl.load(qjl_ptr + block[:, None] * WIDTH + dim[None, :])
+        projected = _mm(x, tl.trans(matrix), PRECISION)
+        tl.store(out_ptr + row[:, None] * WIDTH + block[None, :], projected, mask=real[:, None])
+
+
+@triton.jit
 def _symmetric_cell_2_signed(value, b1, c0, c1):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
     positive boundaries b1 < ... < b1 below |value|. And the centroid +-c[level], with the value's sign."""
@@ -2834,8 +2849,7 @@ def _rotate_query_kernel(
 ):
     """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
     H_d as butterflies (position order is the rotated coordinates' order). Then S q, the rotated rows' QJL projection
-    (`key_qjl`, in position order), for the sign tiles' dot: PROJ projected coordinates a dot, so the block of S
-    in flight stays small at any head_dim. The split kernels take both."""
+    (`key_qjl`, in position order), for the sign tiles' dot. The split kernels take both."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # as in _decode_kernel
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -2845,13 +2859,7 @@ def _rotate_query_kernel(
     query *= tl.load(key_matrix_ptr + dim).to(tl.float32)[None, :]  # the matrix's first row: the signs (or ones)
     rotated = _walsh_hadamard(query, HEAD_DIM) * (1.0 / HEAD_DIM ** 0.5)
     tl.store(out_ptr + offsets, rotated, mask=row[:, None] < rows)
-    PROJ: tl.constexpr = 32
-    proj = tl.arange(0, PROJ)
-    # A loop, not unrolled: unrolled, every block's dot keeps shared memory of its own, past an SM's at d=256.
-    for first in range(0, HEAD_DIM, PROJ):
-        block = tl.load(key_qjl_ptr + (first + proj)[:, None] * HEAD_DIM + dim[None, :])  # rows of S
-        projected = _mm(rotated, tl.trans(block), PRECISION)
-        tl.store(projected_ptr + row[:, None] * HEAD_DIM + first + proj[None, :], projected, mask=row[:, None] < rows)
+    _project_qjl(rotated, key_qjl_ptr, projected_ptr, row, row < rows, HEAD_DIM, PRECISION)
 
 
 @triton.jit

@@ -1172,6 +1172,12 @@ class Layout:
         return self.rotates_query and self.key.qjl
 
     @property
+    def projects_qjl(self) -> bool:
+        """Some kernel makes K's QJL projection of the query (`_project_qjl`): `_rotate_query_kernel`
+        (projects_query) or a channel split's `_query_parts_kernel` for a QJL key part."""
+        return self.projects_query or (self.split and any(part.qjl for part in self.key_parts))
+
+    @property
     def rotates_output(self) -> bool:
         """The merge (`_merge_splits` or `_decode_reduce_kernel`) rotates the merged output back (a split layout maps
         each part in torch)."""

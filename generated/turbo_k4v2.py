@@ -123,6 +123,9 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
+# Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
+# where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
+_LOOP_STAGES = {}
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 1/8/32,
@@ -2411,6 +2414,7 @@ def fill(
     programs = max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads)
     tiles = _cdiv(num_tiles, programs)
     grid = (_cdiv(num_tiles, tiles), cache.num_kv_heads)
+    stages = _LOOP_STAGES.get(cache.head_dim, 3)
     _launch(
         _fill_kernel, grid,
         key,
@@ -2441,8 +2445,10 @@ def fill(
         DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
         # Several tiles a program: 2 stages (H100, turbo_k4v2, 8 x 32k: 52% of copy bandwidth, 43% at 3) and the
-        # register cap. One tile (a decode step's few tokens): launched as without the loop.
-        **({"num_stages": 2, "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1 else {}),
+        # register cap. One tile (a decode step's few tokens): Triton's 3, as without the loop. Fewer where
+        # _LOOP_STAGES says.
+        **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
+           else {"num_stages": stages}),
     )
 
 
@@ -2554,6 +2560,7 @@ def flatten(
         **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
+        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
         FAST_UNPACK=_FAST_UNPACK,
         ROTATED=rotated,
     )

@@ -107,6 +107,9 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
+# Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
+# where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
+_LOOP_STAGES = {}
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # ... and apply it this many input (fill) or output (flatten) columns at a time: the faster width for each on an
 # H100 (fill keeps every output chunk's accumulator live beside its input block).
@@ -1901,6 +1904,7 @@ def flatten(
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=min(_FLATTEN_IN_BLOCK, _pow2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
+        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
     )
     return key, value
 

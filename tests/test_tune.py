@@ -196,3 +196,14 @@ def test_looping_fill_is_uncapped_where_no_cap_was_measured(monkeypatch):
     m, (looping, _) = _looping_fill(256, monkeypatch)
     assert 256 not in m._FILL_MAX_REGISTERS
     assert looping["tiles"] == 2 and looping["maxnreg"] is None and looping["num_stages"] == 2
+
+
+def test_best_replaces_a_default_that_fails():
+    # At a head_dim whose tiles do not fit the default (shared memory), any variant right everywhere wins.
+    slow, fast = (64, 2, 3, 8, 64), (32, 1, 3, 8, 64)
+    data = rows({tune.DEFAULT: {1: None, 8: 1.0}, slow: {1: 2.0, 8: 2.0}, fast: {1: 1.0, 8: 1.0}})
+    winner, score, scores = tune.best(data, [tune.DEFAULT, slow, fast])
+    assert winner == fast and score != score and tune.DEFAULT not in scores
+    assert abs(scores[slow] - 2.0) < 1e-9 and abs(scores[fast] - 1.0) < 1e-9
+    winner, score, scores = tune.best(rows({tune.DEFAULT: {1: None}, slow: {1: None}}), [tune.DEFAULT, slow])
+    assert (winner, score, scores) == (tune.DEFAULT, 1.0, {})

@@ -1171,6 +1171,27 @@ class Layout:
         replaying (decode_replays)."""
         return self.rotates_query and self.key.qjl
 
+    # Of an SM's 227 KiB of shared memory (sm_90), what a tile loop's pipeline stages may give to copies of the
+    # matrices it loads, the rest left to the loop's own buffers.
+    PIPELINE_SHARED = 200 * 1024
+
+    @property
+    def loop_stages(self) -> dict[int, int]:
+        """Pipeline stages of fill's and flatten's tile loops, per head_dim where Triton's own (3, or a looping fill's
+        2) would not fit: the pipeliner gives every stage past the first a copy of each load in the loop, and the
+        matrices are loaded there a block at a time, though they are the same on every tile. A dense rotation is
+        fp16 (+-1 entries), a QJL projection float32, each as wide as the part's positions: at head_dim 256 one
+        projection is 256 KiB a copy."""
+        stages = {}
+        for d in self.head_dims:
+            copy = 0
+            for part in self.parts("key") + self.parts("value"):
+                width = 1 << (part.part_dim(d) - 1).bit_length()
+                copy += (2 * part.dense_matrix + 4 * part.qjl) * width * width
+            if copy and 1 + self.PIPELINE_SHARED // copy < 3:
+                stages[d] = 1 + self.PIPELINE_SHARED // copy
+        return stages
+
     @property
     def projects_qjl(self) -> bool:
         """Some kernel makes K's QJL projection of the query (`_project_qjl`): `_rotate_query_kernel`

@@ -221,7 +221,8 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _kernel_stack(command: str) -> None:
-    """bench and tune run kernels: without torch and triton (the `kernels` extra) say so in one line."""
+    """bench, tune and resources run or compile kernels: without torch and triton (the `kernels` extra) say so in one
+    line."""
     try:
         import torch  # noqa: F401
         import triton  # noqa: F401
@@ -262,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
 
         tune.add_arguments(p)
         p.set_defaults(run=tune.run)
+    p = sub.add_parser("resources", help="compile a scheme's kernels for an H100 (no GPU needed): shared memory, "
+                                         "registers and stack per kernel")
+    if argv[:1] == ["resources"]:
+        _kernel_stack("resources")
+        from kvqc.tools import resources
+
+        resources.add_arguments(p)
+        p.set_defaults(run=resources.run)
     p = sub.add_parser("eval", help="a real language model with each scheme's cache: perplexity, greedy agreement")
     if argv[:1] == ["eval"]:  # eval imports transformers, and may set TRITON_INTERPRET before triton loads
         from kvqc.tools import eval as evaluation

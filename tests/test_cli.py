@@ -1010,11 +1010,11 @@ WITHOUT_TORCH = "import sys; sys.modules['torch'] = sys.modules['triton'] = None
 
 @pytest.mark.parametrize("argv, status", [
     (["build", "--check"], 0), (["list"], 0), (["explain", "turbo_k4v2"], 0),
-    (["bench", "int8_token"], 2), (["tune", "int8_token"], 2),
+    (["bench", "int8_token"], 2), (["tune", "int8_token"], 2), (["resources", "int8_token"], 2),
 ])
 def test_building_needs_neither_torch_nor_triton(argv, status):
     """`pip install kvqc` brings jinja2 and pyyaml only: build, list and explain run without torch and triton, and
-    bench and tune, which run kernels, say in one line which extra they need."""
+    bench, tune and resources, which run or compile kernels, say in one line which extra they need."""
     run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH + f"raise SystemExit(main({argv!r}))"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == status, run.stderr[-2000:]

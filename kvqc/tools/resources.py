@@ -1,0 +1,210 @@
+"""`kvqc resources`: compile a module's kernels for an H100 (sm_90) on any machine, GPU or not, and print what each
+needs of an SM: shared memory against the 227 KiB a block may have, registers and stack (spills) per thread.
+
+A kernel that asks for more shared memory than an SM has fails at its first launch ("out of resource: shared
+memory"), on the GPU only: the interpreter that checks kernels on CPU has no such limit. This finds it before then.
+
+Two steps, each in a process of its own, because Triton reads TRITON_INTERPRET once, when it is imported:
+  1. record: fill, decode and flatten run a small cache under the interpreter (TRITON_INTERPRET=1); every kernel
+     launch is recorded with its argument types, constexprs and launch options, the settings the module's own
+     wrappers choose for that head_dim.
+  2. compile: each recorded launch is compiled for sm_90 (triton.compile with a CUDA target, no device needed) with
+     what differs on compiled CUDA: fp16 dots and the PTX unpack paths (FAST_UNPACK, FAST_CELL), tf32x3 products,
+     a 64-token block, and pointers and strides aligned to 16 as Triton specializes them on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SM90_SHARED = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
+BLOCK_SIZE = 64
+# Constexprs as compiled CUDA sets them for fp16 inputs where the interpreter sets others.
+COMPILED = {"FAST_UNPACK": True, "FAST_CELL": True, "DOT_DTYPE": "fp16", "DOT_PRECISION": "tf32x3",
+            "BLOCK_SIZE": BLOCK_SIZE, "HEAD_STRIDE": BLOCK_SIZE}
+TYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16", "uint8": "u8", "int8": "i8", "int16": "i16",
+         "int32": "i32", "int64": "i64", "bool": "i1"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("schemes", nargs="+", metavar="SCHEME", help="scheme names or files")
+    parser.add_argument("--head-dim", type=int, nargs="+", help="default: every head_dim the scheme is built for")
+    parser.add_argument("--json", metavar="FILE", help="also write every kernel's numbers here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvqc resources", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = []
+    for scheme in args.schemes:
+        for head_dim in args.head_dim or _head_dims(scheme):
+            rows += measure(scheme, head_dim)
+    print(f"{'scheme':<20} {'D':>4} {'kernel':<24} {'shared':>8} {'of sm_90':>8} {'regs':>5} {'stack':>6}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['kernel']:<24} error: {row['error']}")
+            continue
+        flag = "  too large" if row["shared"] > SM90_SHARED else ""
+        print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['kernel']:<24} {row['shared']:>8} "
+              f"{row['shared'] / SM90_SHARED:>8.0%} {row['registers'] or '-':>5} {row['stack'] or 0:>6}{flag}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    return 1 if any("error" in r or r["shared"] > SM90_SHARED for r in rows) else 0
+
+
+def measure(scheme: str, head_dim: int) -> list[dict]:
+    """Every kernel fill, decode and flatten launch for this scheme and head_dim, compiled for sm_90: one dict each
+    (scheme, head_dim, kernel, shared bytes, registers, stack bytes; or error)."""
+    launches = _step("record", scheme, str(head_dim), interpret=True)
+    rows = _step("compile", scheme, json.dumps(launches), interpret=False)
+    return [{"scheme": scheme, "head_dim": head_dim, **row} for row in rows]
+
+
+def _step(step: str, scheme: str, arg: str, interpret: bool) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-m", "kvqc.tools.resources", f"--{step}", scheme], input=arg, env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"kvqc resources: {step} {scheme}: {done.stderr.strip().splitlines()[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _head_dims(scheme: str) -> tuple[int, ...]:
+    from kvqc.compiler.spec import load_scheme
+    from kvqc.modules import resolve
+
+    path = Path(scheme)
+    if path.suffix in (".yaml", ".yml"):
+        return tuple(load_scheme(path).head_dims)
+    text = resolve(scheme).read_text(encoding="utf-8")
+    line = next(line for line in text.splitlines() if line.startswith("HEAD_DIMS = "))
+    return tuple(json.loads(line.split("=", 1)[1].strip().replace("(", "[").replace(")", "]").replace(",]", "]")))
+
+
+def record(scheme: str, head_dim: int) -> list[dict]:
+    """Run fill, decode and flatten on a small CPU cache under the interpreter; return every launch."""
+    import torch
+    from triton.runtime import interpreter
+
+    import kvqc.modules
+
+    launches = []
+    plain_run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        values = dict(zip(self.arg_names, args))
+        values.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        launches.append({
+            "kernel": self.fn.__name__,
+            "args": {k: ("tensor", str(v.dtype).removeprefix("torch.")) if isinstance(v, torch.Tensor)
+                     else ("value", v if v is None or isinstance(v, (bool, int, float, str)) else str(v))
+                     for k, v in values.items()},
+            "options": {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS and v is not None},
+        })
+        return plain_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = recording_run
+    kv = kvqc.modules.load(scheme)
+    torch.manual_seed(0)
+    batch, q_heads, kv_heads, tokens, blocks = 2, 8, 2, 80, 2
+    window = getattr(kv, "WINDOW", 0)
+    extra = {"max_seqs": batch} if window else {}
+    cache = kv.allocate_cache(batch * blocks, BLOCK_SIZE, kv_heads, head_dim, device="cpu", dtype=torch.float16,
+                              **extra)
+    key = torch.randn(batch * tokens, kv_heads, head_dim, dtype=torch.float16)
+    value = torch.randn_like(key)
+    block_tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+    slot_mapping = torch.cat([torch.arange(tokens) + i * blocks * BLOCK_SIZE for i in range(batch)])
+    seq_lens = torch.full((batch,), tokens, dtype=torch.int32)
+    rows = {"window_index": torch.arange(batch)} if window else {}
+    if hasattr(kv, "calibrate"):
+        kv.calibrate(cache, key, value)
+    tokens_at = {"positions": torch.arange(tokens).repeat(batch),
+                 "window_index": torch.arange(batch).repeat_interleave(tokens)} if window else {}
+    kv.fill(cache, key, value, slot_mapping, **tokens_at)
+    kv.decode(torch.randn(batch, q_heads, head_dim, dtype=torch.float16), cache, block_tables, seq_lens, **rows)
+    kv.flatten(cache, block_tables, seq_lens, **rows)
+    return launches
+
+
+def compile_launch(module, launch: dict) -> dict:
+    """One recorded launch compiled for sm_90: its shared memory, registers and spills (or the error)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(module, launch["kernel"])
+    constexprs = {p.name for p in kernel.params if p.is_constexpr}
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        kind, value = launch["args"].get(name, ("value", None))
+        value = COMPILED.get(name, value)
+        if name in constexprs or value is None:
+            signature[name] = "constexpr"
+            constants[name] = tl.dtype(value) if value in ("fp16", "fp32", "bf16") else value
+            continue
+        if kind == "tensor":
+            signature[name] = "*" + TYPES[value]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+        else:
+            signature[name] = "fp32"
+        if kind == "tensor" or (isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    except Exception as exc:  # a kernel that does not compile is a finding, reported like the others
+        return {"kernel": launch["kernel"], "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
+    registers, stack = _usage(compiled.asm["cubin"])
+    return {"kernel": launch["kernel"], "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
+            "options": launch["options"]}
+
+
+def _usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """Registers per thread and stack bytes per thread (spills, or arrays ptxas could not keep in registers), as
+    cuobjdump, which ships with Triton's CUDA backend, reads them from the cubin."""
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        out = subprocess.run([str(tool), "-res-usage", file.name], capture_output=True, text=True).stdout
+    fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line for item in line.split())
+    return (int(fields["REG"]), int(fields["STACK"])) if fields else (None, None)
+
+
+def _worker(step: str, scheme: str) -> None:
+    arg = sys.stdin.read()
+    if step == "record":
+        print(json.dumps(record(scheme, int(arg))))
+        return
+    import kvqc.modules
+
+    module = kvqc.modules.load(scheme)
+    print(json.dumps([compile_launch(module, launch) for launch in json.loads(arg)]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] in ("--record", "--compile"):
+        _worker(sys.argv[1][2:], sys.argv[2])
+    else:
+        sys.exit(main())

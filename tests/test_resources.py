@@ -1,0 +1,29 @@
+"""kvqc resources without a GPU: kernels compiled for an H100 (sm_90) fit its shared memory. The interpreter that
+checks kernels on CPU has no such limit, and a GPU refuses a kernel that asks for more at its first launch."""
+
+import json
+
+import pytest
+
+from kvqc.tools import resources
+
+
+@pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5"])
+def test_kernels_fit_an_sm_at_head_dim_256(scheme):
+    # Their fill and flatten load d x d matrices in the tile loop, which every pipeline stage copies.
+    rows = resources.measure(scheme, 256)
+    assert {"_fill_kernel", "_decode_kernel", "_flatten_kernel"} <= {row["kernel"] for row in rows}
+    for row in rows:
+        assert "error" not in row, row
+        assert 0 < row["shared"] <= resources.SM90_SHARED, row
+        assert row["registers"] and row["registers"] <= 255, row
+
+
+def test_a_kernel_past_an_sm_is_reported(capsys):
+    # The QJL flatten at head_dim 256 with Triton's own 3 stages: three copies of the 256 KiB projection.
+    launches = resources._step("record", "turbo_qjl_k3v3", "256", interpret=True)
+    flatten = next(launch for launch in launches if launch["kernel"] == "_flatten_kernel")
+    assert flatten["options"] == {"num_stages": 1}
+    flatten["options"] = {"num_stages": 3}
+    (row,) = resources._step("compile", "turbo_qjl_k3v3", json.dumps([flatten]), interpret=False)
+    assert row["shared"] > resources.SM90_SHARED

@@ -166,10 +166,10 @@ _FILL_BLOCK_T = 64
 # Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages, so that the next tile's rows
 # arrive while this one is rotated and quantized. Per head_dim: under a register cap, as many as an SM holds, so
 # that a large fill is one wave (`fill_programs` in templates/decode_tuning.json overrides the count); 8 elsewhere.
-_FILL_PROGRAMS_PER_SM = {128: 8}
+_FILL_PROGRAMS_PER_SM = {}
 # Registers per thread of the looping fill, per head_dim where measured (templates/decode_tuning.json,
 # `fill_registers`): a cap that lets one more program reside per SM. Other head dims keep the compiler's count.
-_FILL_MAX_REGISTERS = {128: 128}
+_FILL_MAX_REGISTERS = {}
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048

@@ -5,7 +5,19 @@ import json
 
 import pytest
 
+from kvqc.compiler.layout import plan
+from kvqc.compiler.spec import load_scheme
+from kvqc.modules import SCHEMES
 from kvqc.tools import resources
+
+
+@pytest.mark.parametrize("scheme, stages", [
+    ("turbo_qjl_k3v3", {256: 1}), ("turbo_outlier_2p5", {256: 1}), ("turbo_k4v2", {}), ("int8_token", {}),
+])
+def test_tile_loops_lose_stages_only_where_their_matrices_pass_an_sm(scheme, stages):
+    # A QJL projection (float32) or a dense rotation (fp16) is copied by every stage past the first: at head_dim 128
+    # the copies fit (3 stages), at 256 one stage is all an SM holds. Hadamard blocks load no matrix.
+    assert plan(load_scheme(SCHEMES / f"{scheme}.yaml")).loop_stages == stages
 
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5"])

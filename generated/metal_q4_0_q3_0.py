@@ -2482,8 +2482,8 @@ def flatten(
         **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
-        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
         ROTATED=rotated,
+        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
     )
     return key, value
 

@@ -2560,9 +2560,9 @@ def flatten(
         **_row_strides(cache),
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
-        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
         FAST_UNPACK=_FAST_UNPACK,
         ROTATED=rotated,
+        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
     )
     return key, value
 

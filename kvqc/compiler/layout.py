@@ -24,6 +24,30 @@ from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
 @dataclass(frozen=True)
+class KernelParam:
+    """One entry of a kernel's parameter list and what its launch passes there, decided once for both: `names` are
+    the kernel's parameters (a constexpr's with its annotation), `arg` the wrapper's argument (NAME=value for a
+    constexpr; **expr where one expression fills several), `note` a comment on the launch line."""
+
+    names: tuple[str, ...]
+    arg: str
+    note: str = ""
+
+    @property
+    def line(self) -> str:
+        """The launch line: the argument, its comma, the note."""
+        return f"{self.arg},  # {self.note}" if self.note else f"{self.arg},"
+
+
+def _positional(name: str, arg: str, note: str = "") -> KernelParam:
+    return KernelParam((name,), arg, note)
+
+
+def _constexpr(name: str, value: str) -> KernelParam:
+    return KernelParam((f"{name}: tl.constexpr",), f"{name}={value}")
+
+
+@dataclass(frozen=True)
 class Plane:
     width: int  # bits per code in this plane: 8, 4, 2 or 1
     shift: int  # the plane holds bits [shift, shift + width) of the code
@@ -1303,28 +1327,6 @@ class Layout:
         return any(side.dense_matrix for side in self.sides)
 
     # What the kernel templates (templates/kernels/) list in their signatures: decided here, placed there.
-    @property
-    def width_params(self) -> tuple[str, ...]:
-        """The kernels' constexprs for widths besides HEAD_DIM: HEAD_PAD for a padded head, then each split part's
-        width, first channel and padded width (part_constexprs, macros/args.j2 part_params)."""
-        return (("HEAD_PAD",) if self.padded else ()) + tuple(name for name, _ in self.part_constexprs)
-
-    @property
-    def fill_pointers(self) -> tuple[str, ...]:
-        """_fill_kernel's parameters after the rows and slots: the key mean, then every part's tensors and tables."""
-        mean = ("key_mean_ptr",) if self.centered else ()
-        return mean + tuple(pointer for side in self.sides for pointer in side.pointers)
-
-    @property
-    def flatten_pointers(self) -> tuple[str, ...]:
-        """_flatten_kernel's parameters after the output rows and their sequences: every part's tensors and tables
-        (with the PTX lookups' codebook words where flatten takes them), the ring rows, the key mean."""
-        out = []
-        for side in self.sides:
-            out += side.pointers + ((f"{side.name}_lut_ptr",) if side.flatten_fast and side.lut_words else ())
-        out += ["window_index_ptr", "key_window_ptr", "value_window_ptr", "max_seqs"] if self.window else []
-        return tuple(out + (["key_mean_ptr"] if self.centered else []))
-
     def bytes_per_token(self, head_dim: int, metadata_bytes: int = 2) -> int:
         """Cache bytes for one token and one KV head: K and V codes plus their metadata."""
         return sum(s.code_bytes(head_dim) + metadata_bytes * s.meta_width(head_dim) for s in self.sides)
@@ -1443,50 +1445,144 @@ class Layout:
         its own group kernel once a group of tokens is complete)."""
         return len(self.per_channel) < 2
 
-    @property
-    def width_constexprs(self) -> tuple[str, ...]:
-        """fill's and flatten's launch arguments for the widths besides HEAD_DIM: the power-of-two width of a
-        padded head, or each split part's widths and offsets."""
-        out = ["HEAD_PAD=_pow2(cache.head_dim)"] if self.padded else []
-        return tuple(out + (["**_part_constexprs(cache.head_dim)"] if self.split else []))
-
     def in_block(self, most: str) -> str:
         """IN_BLOCK of a dense matrix's fill or flatten launch, at most the constant `most`: a power of two no wider
         than the head, or than any part of a split one (`_in_block`)."""
         return f"_in_block(cache.head_dim, {most})" if self.split else f"min({most}, _pow2(cache.head_dim))"
 
     @property
-    def flatten_reads(self) -> tuple[str, ...]:
-        """flatten's launch arguments after the parts' tensors: what it reads besides the codes (the ring rows, the
-        key mean)."""
-        ring = ["window_index", "cache.key_window", "cache.value_window", "cache.max_seqs"] if self.window else []
-        return tuple(ring + (["_key_mean(cache)"] if self.centered else []))
-
-    @property
-    def flatten_flag_params(self) -> tuple[str, ...]:
-        """_flatten_kernel's last constexprs, which flatten_flags set: FAST_UNPACK, ROTATED."""
-        return tuple(flag.split("=")[0] for flag in self.flatten_flags)
-
-    @property
-    def fill_args(self) -> tuple[str, ...]:
-        """fill's launch arguments for `fill_pointers`: the key mean, then every part's tensors and tables."""
-        mean = ("_key_mean(cache)",) if self.centered else ()
-        return mean + tuple(arg for side in self.sides for arg in side.args)
-
-    @property
-    def flatten_args(self) -> tuple[str, ...]:
-        """flatten's launch arguments for `flatten_pointers`: every part's tensors and tables (with its lookup words
-        where flatten takes them), then what it reads besides (flatten_reads)."""
-        out = []
+    def decode_params(self) -> tuple[KernelParam, ...]:
+        """_decode_kernel's parameters and decode's launch arguments, in order: each key part's query (and its QJL
+        projection), the paging, every part's tensors and tables (and lookup words for the PTX lookups), each value
+        part's partial output, the splits' max and sum, the merge's counters and output where split programs merge,
+        the softmax scale and the paging's sizes; then the constexprs."""
+        split = self.split
+        params = []
+        for key in self.key_parts:
+            params.append(_positional(f"query_{key.tag}ptr", f'scratch["query_{key.name}"]' if split else "q"))
+            if key.qjl:
+                params.append(_positional(f"query_{key.tag}qjl_ptr",
+                                          f'scratch["query_{key.name}_qjl"]' if split else "q_qjl"))
+        params += [_positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens")]
         for side in self.sides:
-            out += side.args + ((f'tables["{side.name}_lut"]',) if side.flatten_fast and side.lut_words else ())
-        return tuple(out) + self.flatten_reads
+            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+            if side.fast_unpack and side.lut_words:
+                params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
+        for value in self.value_parts:
+            params.append(_positional(f"partial_{value.tag}out_ptr", f'partials["{value.name}"]' if split else "partial_out"))
+            if value.qjl:
+                params.append(_positional(f"partial_{value.tag}qjl_ptr",
+                                          f'partials["{value.name}_qjl"]' if split else "partial_qjl"))
+        params += [_positional("partial_max_ptr", "partial_max"), _positional("partial_sum_ptr", "partial_sum")]
+        if self.decode_merge == "split":
+            params += [_positional("counters_ptr", 'scratch.get("counters", partial_max)', "read only with MERGE"),
+                       _positional("out_ptr", "merged")]
+        params += [
+            _positional("sm_scale_log2", "scale * 1.4426950408889634", "exp(x) = exp2(x * log2(e))"),
+            _positional("num_blocks", "cache.num_blocks"),
+            _positional("stride_block_table", "block_tables.stride(0)"),
+            _positional("max_blocks_per_seq", "block_tables.shape[1]"),
+            _positional("num_splits", "num_splits"),
+            _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"),
+            _constexpr("GROUP", "group"),
+            _constexpr("GROUP_PAD", "max(16, _pow2(group))"),
+            _constexpr("HEAD_DIM", "head_dim"),
+        ]
+        if self.padded:
+            params.append(_constexpr("HEAD_PAD", "width"))
+        if split:
+            params.append(KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
+                                      "**_part_constexprs(head_dim)"))
+        params += [
+            _constexpr("BLOCK_SIZE", "cache.block_size"),
+            KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+            _constexpr("BLOCK_N", "block_n"),
+            _constexpr("SPLIT_CHUNK", "plan.split_chunk"),
+            _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype]"),
+            _constexpr("DOT_PRECISION", "_DOT_PRECISION"),
+            _constexpr("LAZY_RESCALE", "_LAZY_RESCALE"),
+        ]
+        if self.decode_unpacks:
+            params.append(_constexpr("FAST_UNPACK", "_FAST_UNPACK and query.dtype == torch.float16"))
+        if self.decode_merge == "split":
+            params.append(_constexpr("MERGE", "merging"))
+        if self.fuses_query_rotation:
+            params.append(_constexpr("ROTATE", "_ROTATE_IN_DECODE"))
+        return tuple(params + [_constexpr("PDL", "pdl")])
+
+    def _widths(self) -> list[KernelParam]:
+        """fill's and flatten's constexprs for the widths besides HEAD_DIM: the power-of-two width of a padded head,
+        then each split part's widths and offsets."""
+        widths = [_constexpr("HEAD_PAD", "_pow2(cache.head_dim)")] if self.padded else []
+        if self.split:
+            widths.append(KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
+                                      "**_part_constexprs(cache.head_dim)"))
+        return widths
 
     @property
-    def flatten_flags(self) -> tuple[str, ...]:
-        """flatten's last launch constexprs: PTX lookups for an fp16 or bf16 output, and the rotated basis asked for."""
-        flags = ["FAST_UNPACK=_FAST_UNPACK"] if self.flatten_unpacks else []
-        return tuple(flags + (["ROTATED=rotated"] if self.flatten_rotated else []))
+    def fill_params(self) -> tuple[KernelParam, ...]:
+        """_fill_kernel's parameters and fill's launch arguments, in order: the new rows and their slots, the key
+        mean, every part's tensors and tables, the token count, slots and strides (and the tiles a program loops
+        over); then the constexprs."""
+        params = [_positional("key_ptr", "key"), _positional("value_ptr", "value"),
+                  _positional("slot_mapping_ptr", "slot_mapping")]
+        if self.centered:
+            params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
+        for side in self.sides:
+            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+        params += [_positional("num_tokens", "num_tokens"), _positional("num_slots", "num_slots"),
+                   _positional("stride_key_token", "key.stride(0)"), _positional("stride_key_head", "key.stride(1)"),
+                   _positional("stride_value_token", "value.stride(0)"),
+                   _positional("stride_value_head", "value.stride(1)")]
+        if self.fill_loops:
+            params.append(_positional("tiles", "tiles"))
+        params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
+                   KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+                   _constexpr("HEAD_DIM", "cache.head_dim")]
+        params += self._widths() + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
+        if self.dense_matrix:
+            params.append(_constexpr("IN_BLOCK", self.in_block("_FILL_IN_BLOCK")))
+        params.append(_constexpr("DOT_PRECISION", "_DOT_PRECISION"))
+        if self.any_fast_cell:
+            params.append(_constexpr("FAST_CELL", "_COMPILED_CUDA"))
+        return tuple(params)
+
+    @property
+    def flatten_params(self) -> tuple[KernelParam, ...]:
+        """_flatten_kernel's parameters and flatten's launch arguments, in order: the output rows, the paging and
+        each sequence's first row, every part's tensors and tables (with the PTX lookups' codebook words where
+        flatten takes them), the ring rows, the key mean, the sizes and strides; then the constexprs, the last two
+        for PTX lookups into an fp16 or bf16 output and the rotated basis asked for."""
+        params = [_positional("key_out_ptr", "key"), _positional("value_out_ptr", "value"),
+                  _positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens"),
+                  _positional("start_loc_ptr", "start_loc")]
+        for side in self.sides:
+            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+            if side.flatten_fast and side.lut_words:
+                params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
+        if self.window:
+            params += [_positional("window_index_ptr", "window_index"),
+                       _positional("key_window_ptr", "cache.key_window"),
+                       _positional("value_window_ptr", "cache.value_window"), _positional("max_seqs", "cache.max_seqs")]
+        if self.centered:
+            params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
+        params += [_positional("num_blocks", "cache.num_blocks"),
+                   _positional("stride_block_table", "block_tables.stride(0)"),
+                   _positional("max_blocks_per_seq", "block_tables.shape[1]"), _positional("out_rows", "key.shape[0]"),
+                   _positional("stride_out_token", "key.stride(0)"), _positional("stride_out_head", "key.stride(1)"),
+                   _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("HEAD_DIM", "cache.head_dim")]
+        params += self._widths() + [
+            _constexpr("BLOCK_SIZE", "cache.block_size"),
+            KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+            _constexpr("BLOCK_T", "_FLATTEN_BLOCK_T")]
+        if self.dense_matrix:
+            params.append(_constexpr("IN_BLOCK", self.in_block("_FLATTEN_IN_BLOCK")))
+        params.append(_constexpr("DOT_PRECISION", "_DOT_PRECISION"))
+        if self.flatten_unpacks:
+            params.append(_constexpr("FAST_UNPACK", "_FAST_UNPACK"))
+        if self.flatten_rotated:
+            params.append(_constexpr("ROTATED", "rotated"))
+        return tuple(params)
 
 def _select_tree(prefix: str, probes, indices) -> str:
     """The value `<prefix><i>` for i in `indices` picked by the predicates `probe_<k>` for k in `probes`, most

@@ -87,6 +87,9 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 128
 _FLATTEN_BLOCK_T = 64
+# New tokens a per-channel group program looks through for tokens that complete a group: one program per token
+# would mostly find none.
+_GROUP_TOKENS = 32
 # Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
 # where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
 _LOOP_STAGES = {}
@@ -1735,158 +1738,180 @@ def _key_group_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WINDOW: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    """Key per channel: the program of a token that completes a group of 32 quantizes the whole group.
+    """Key per channel: of TOKENS new tokens, each that completes a group of 32 has the whole group
+    quantized. A program per run of tokens, not per token: most tokens complete no group.
 
     The group's earlier tokens come from this call's input where they are in it (the same sequence, the positions
     before), and otherwise from the ring, which still holds them because WINDOW >= 32. Groups start at
     multiples of 32 and block_size is a multiple of 32, so a group's slots are consecutive.
     """
-    token = tl.program_id(0)
     head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
     key_chunk = tl.arange(0, KEY_CHUNK)
     KEY_META_WIDTH: tl.constexpr = (HEAD_DIM // 32 * 2)  # metadata values a slot holds of its group's
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    ring = tl.load(window_index_ptr + token)
-    if (position % 32 != 31) | (slot < 31) | (slot >= num_slots) | (ring < 0) | (ring >= max_seqs):
-        return
-    member = tl.arange(0, 32)  # the group's tokens, oldest first
-    source = token - 31 + member
-    member_position = position - 31 + member
-    has = source >= 0
-    fresh = has & (tl.load(window_index_ptr + source, mask=has, other=-1) == ring)
-    fresh = fresh & (tl.load(positions_ptr + source, mask=has, other=-1) == member_position)
-    fresh = fresh & (tl.load(slot_mapping_ptr + source, mask=has, other=-1) >= 0)
-    ring_row = (ring.to(tl.int64) * WINDOW + member_position % WINDOW) * NUM_KV_HEADS + head
-    first = slot - 31  # the group's first slot: the same block as its last
-    first = first // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + first % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
-    row = first + member * TOKEN_STRIDE
-    stored = member >= 0
-    column = key_chunk[None, :]
-    # Rounded to the ring's dtype either way, so that a group reads the same values whichever call brought them.
-    x = tl.load(
-        key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-        mask=fresh[:, None],
-        other=0.0,
-    )
-    x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-    old = tl.load(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-        mask=~fresh[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x = tl.where(fresh[:, None], x, old)
-    zero = tl.min(x, axis=0)
-    scale = (tl.max(x, axis=0) - zero) / 3
-    inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_0 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+    for i in range(TOKENS):
+        token = tl.program_id(0) * TOKENS + i
+        here = token < num_tokens
+        slot = tl.load(slot_mapping_ptr + token, mask=here, other=-1).to(tl.int64)
+        position = tl.load(positions_ptr + token, mask=here, other=0)
+        ring = tl.load(window_index_ptr + token, mask=here, other=-1)
+        if (position % 32 == 31) & (slot >= 31) & (slot < num_slots) & (ring >= 0) & (ring < max_seqs):
+            member = tl.arange(0, 32)  # the group's tokens, oldest first
+            source = token - 31 + member
+            member_position = position - 31 + member
+            has = source >= 0
+            fresh = has & (tl.load(window_index_ptr + source, mask=has, other=-1) == ring)
+            fresh = fresh & (tl.load(positions_ptr + source, mask=has, other=-1) == member_position)
+            fresh = fresh & (tl.load(slot_mapping_ptr + source, mask=has, other=-1) >= 0)
+            ring_row = (ring.to(tl.int64) * WINDOW + member_position % WINDOW) * NUM_KV_HEADS + head
+            first = slot - 31  # the group's first slot: the same block as its last
+            first = (
+                first // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + first % BLOCK_SIZE * TOKEN_STRIDE
+                + head * HEAD_STRIDE
+            )
+            row = first + member * TOKEN_STRIDE
+            stored = member >= 0
+            column = key_chunk[None, :]
+            # Rounded to the ring's dtype either way, so that a group reads the same values whichever call brought them.
+            x = tl.load(
+                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+                mask=fresh[:, None],
+                other=0.0,
+            )
+            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+            old = tl.load(
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+                mask=~fresh[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.where(fresh[:, None], x, old)
+            zero = tl.min(x, axis=0)
+            scale = (tl.max(x, axis=0) - zero) / 3
+            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+            code_0 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-    # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-    index = (key_chunk) * 2
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        scale.to(key_meta_ptr.dtype.element_ty),
-    )
-    index = (key_chunk) * 2 + 1
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        zero.to(key_meta_ptr.dtype.element_ty),
-    )
-    column = 1 * KEY_CHUNK + key_chunk[None, :]
-    x = tl.load(
-        key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-        mask=fresh[:, None],
-        other=0.0,
-    )
-    x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-    old = tl.load(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-        mask=~fresh[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x = tl.where(fresh[:, None], x, old)
-    zero = tl.min(x, axis=0)
-    scale = (tl.max(x, axis=0) - zero) / 3
-    inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_1 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+            index = (key_chunk) * 2
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                scale.to(key_meta_ptr.dtype.element_ty),
+            )
+            index = (key_chunk) * 2 + 1
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                zero.to(key_meta_ptr.dtype.element_ty),
+            )
+            column = 1 * KEY_CHUNK + key_chunk[None, :]
+            x = tl.load(
+                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+                mask=fresh[:, None],
+                other=0.0,
+            )
+            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+            old = tl.load(
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+                mask=~fresh[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.where(fresh[:, None], x, old)
+            zero = tl.min(x, axis=0)
+            scale = (tl.max(x, axis=0) - zero) / 3
+            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+            code_1 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-    # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-    index = (1 * KEY_CHUNK + key_chunk) * 2
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        scale.to(key_meta_ptr.dtype.element_ty),
-    )
-    index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        zero.to(key_meta_ptr.dtype.element_ty),
-    )
-    column = 2 * KEY_CHUNK + key_chunk[None, :]
-    x = tl.load(
-        key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-        mask=fresh[:, None],
-        other=0.0,
-    )
-    x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-    old = tl.load(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-        mask=~fresh[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x = tl.where(fresh[:, None], x, old)
-    zero = tl.min(x, axis=0)
-    scale = (tl.max(x, axis=0) - zero) / 3
-    inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_2 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+            index = (1 * KEY_CHUNK + key_chunk) * 2
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                scale.to(key_meta_ptr.dtype.element_ty),
+            )
+            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                zero.to(key_meta_ptr.dtype.element_ty),
+            )
+            column = 2 * KEY_CHUNK + key_chunk[None, :]
+            x = tl.load(
+                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+                mask=fresh[:, None],
+                other=0.0,
+            )
+            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+            old = tl.load(
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+                mask=~fresh[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.where(fresh[:, None], x, old)
+            zero = tl.min(x, axis=0)
+            scale = (tl.max(x, axis=0) - zero) / 3
+            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+            code_2 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-    # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-    index = (2 * KEY_CHUNK + key_chunk) * 2
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        scale.to(key_meta_ptr.dtype.element_ty),
-    )
-    index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        zero.to(key_meta_ptr.dtype.element_ty),
-    )
-    column = 3 * KEY_CHUNK + key_chunk[None, :]
-    x = tl.load(
-        key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-        mask=fresh[:, None],
-        other=0.0,
-    )
-    x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-    old = tl.load(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-        mask=~fresh[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    x = tl.where(fresh[:, None], x, old)
-    zero = tl.min(x, axis=0)
-    scale = (tl.max(x, axis=0) - zero) / 3
-    inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-    code_3 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+            index = (2 * KEY_CHUNK + key_chunk) * 2
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                scale.to(key_meta_ptr.dtype.element_ty),
+            )
+            index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                zero.to(key_meta_ptr.dtype.element_ty),
+            )
+            column = 3 * KEY_CHUNK + key_chunk[None, :]
+            x = tl.load(
+                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+                mask=fresh[:, None],
+                other=0.0,
+            )
+            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+            old = tl.load(
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+                mask=~fresh[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.where(fresh[:, None], x, old)
+            zero = tl.min(x, axis=0)
+            scale = (tl.max(x, axis=0) - zero) / 3
+            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+            code_3 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-    # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-    index = (3 * KEY_CHUNK + key_chunk) * 2
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        scale.to(key_meta_ptr.dtype.element_ty),
-    )
-    index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
-    tl.store(
-        key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-        zero.to(key_meta_ptr.dtype.element_ty),
-    )
-    packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
-    tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=stored[:, None],
-    )
+            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+            index = (3 * KEY_CHUNK + key_chunk) * 2
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                scale.to(key_meta_ptr.dtype.element_ty),
+            )
+            index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+            tl.store(
+                key_meta_ptr + (
+                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
+                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+                zero.to(key_meta_ptr.dtype.element_ty),
+            )
+            packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+            tl.store(
+                key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
+                packed.to(tl.uint8),
+                mask=stored[:, None],
+            )
 
 
 @triton.jit
@@ -2361,7 +2386,7 @@ def fill(
         return
     # First: a group completed in this call may need ring entries that this call's newest tokens replace.
     _launch(
-        _key_group_kernel, (num_tokens, cache.num_kv_heads),
+        _key_group_kernel, (_cdiv(num_tokens, _GROUP_TOKENS), cache.num_kv_heads),
         key,
         slot_mapping,
         positions,
@@ -2379,6 +2404,7 @@ def fill(
         **_row_strides(cache),
         HEAD_DIM=cache.head_dim,
         WINDOW=WINDOW,
+        TOKENS=_GROUP_TOKENS,
     )
     grid = (_cdiv(num_tokens, _FILL_BLOCK_T), cache.num_kv_heads)
     _launch(

@@ -104,16 +104,23 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision=PRECISION)
     return tl.dot(a, b, acc)
+# Compiled CUDA converts to fp8 in hardware (cvt.rn.satfinite: to nearest even, as _fp8_code's arithmetic does).
+_FP8_CAST = tl.constexpr(_COMPILED_CUDA)
 
 
 @triton.jit
 def _fp8_code(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     """The fp8 bit pattern of x (already within the format's range), rounded to nearest even, as int32.
 
-    Bit arithmetic rather than a cast: Triton's interpreter rounds float8 casts wrongly, and this way the
-    interpreter and the GPU store the same bytes. Subnormals share the smallest normal exponent's step, and a
-    mantissa that rounds up to 2^(MANTISSA+1) carries into the exponent field by itself.
+    On compiled CUDA the hardware's conversion. Elsewhere bit arithmetic, because Triton's interpreter rounds
+    float8 casts wrongly: the interpreter and the GPU store the same bytes. Subnormals share the smallest normal
+    exponent's step, and a mantissa that rounds up to 2^(MANTISSA+1) carries into the exponent field by itself.
     """
+    if _FP8_CAST:
+        if MANTISSA == 3:
+            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            return x.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
     magnitude = tl.abs(x)
     exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 255) - 127
     exponent = tl.maximum(exponent, 1 - BIAS)

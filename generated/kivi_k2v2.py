@@ -2405,6 +2405,7 @@ def fill(
         HEAD_DIM=cache.head_dim,
         WINDOW=WINDOW,
         TOKENS=_GROUP_TOKENS,
+        num_warps=1,  # a group's tiles are its tokens by a chunk: its reductions over the tokens stay in one warp
     )
     grid = (_cdiv(num_tokens, _FILL_BLOCK_T), cache.num_kv_heads)
     _launch(

@@ -328,7 +328,7 @@ class SideLayout:
 
     @property
     def pointers(self) -> tuple[str, ...]:
-        """The kernel parameters for this part's cache tensors and constant tables, in order (macros/args.j2)."""
+        """The kernel parameters for this part's cache tensors and constant tables, in order (the kernels' KernelParams)."""
         return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
 
     @property
@@ -1388,7 +1388,7 @@ class Layout:
 
     @property
     def part_constexprs(self) -> tuple[tuple[str, str], ...]:
-        """Every split part's constexprs and their values, in kernel parameter order (macros/args.j2 part_params)."""
+        """Every split part's constexprs and their values, in kernel parameter order."""
         return tuple(pair for side in self.sides for pair in side.constexprs)
 
     @property
@@ -1509,6 +1509,34 @@ class Layout:
         if self.fuses_query_rotation:
             params.append(_constexpr("ROTATE", "_ROTATE_IN_DECODE"))
         return tuple(params + [_constexpr("PDL", "pdl")])
+
+    @property
+    def window_decode_params(self) -> tuple[KernelParam, ...]:
+        """_window_decode_kernel's parameters and decode's launch arguments for it, in order: the query as given,
+        the sequences' lengths and ring rows, the rings, the key mean, the rotation the merge undoes, the splits'
+        scratch (the window's split is the last), the merged output where this kernel merges; then the constexprs."""
+        params = [_positional("query_ptr", "q_input.contiguous()"), _positional("seq_lens_ptr", "seq_lens"),
+                  _positional("window_index_ptr", "window_index"),
+                  _positional("key_window_ptr", "cache.key_window"),
+                  _positional("value_window_ptr", "cache.value_window")]
+        if self.centered:
+            params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
+        if self.rotates_output:
+            params.append(_positional("value_matrix_ptr", 'tables["value_matrix"]'))
+        params += [_positional("partial_out_ptr", "partial_out"), _positional("partial_max_ptr", "partial_max"),
+                   _positional("partial_sum_ptr", "partial_sum")]
+        if self.decode_merge:
+            params.append(_positional("out_ptr", "merged"))
+        params += [_positional("sm_scale_log2", "scale * 1.4426950408889634"),
+                   _positional("num_splits", "num_splits"), _positional("max_seqs", "cache.max_seqs"),
+                   _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group"),
+                   _constexpr("GROUP_PAD", "max(16, _pow2(group))"), _constexpr("HEAD_DIM", "head_dim"),
+                   _constexpr("D_PAD", "_pow2(head_dim)"), _constexpr("WINDOW", "WINDOW"),
+                   _constexpr("BLOCK_W", "max(16, min(64, _pow2(WINDOW)))"),
+                   _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
+        if self.decode_merge:
+            params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]
+        return tuple(params)
 
     def _widths(self) -> list[KernelParam]:
         """fill's and flatten's constexprs for the widths besides HEAD_DIM: the power-of-two width of a padded head,

@@ -328,7 +328,7 @@ class SideLayout:
 
     @property
     def pointers(self) -> tuple[str, ...]:
-        """The kernel parameters for this part's cache tensors and constant tables, in order (the kernels' KernelParams)."""
+        """The kernel parameters for this part's cache tensors and constant tables, in order."""
         return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
 
     @property
@@ -1469,7 +1469,8 @@ class Layout:
             if side.fast_unpack and side.lut_words:
                 params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
         for value in self.value_parts:
-            params.append(_positional(f"partial_{value.tag}out_ptr", f'partials["{value.name}"]' if split else "partial_out"))
+            params.append(_positional(f"partial_{value.tag}out_ptr",
+                                      f'partials["{value.name}"]' if split else "partial_out"))
             if value.qjl:
                 params.append(_positional(f"partial_{value.tag}qjl_ptr",
                                           f'partials["{value.name}_qjl"]' if split else "partial_qjl"))

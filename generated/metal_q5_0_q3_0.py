@@ -3063,9 +3063,8 @@ def fill(
         BLOCK_T=_FILL_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
-        # Several tiles a program: 2 stages (H100, turbo_k4v2, 8 x 32k: 52% of copy bandwidth, 43% at 3) and the
-        # register cap. One tile (a decode step's few tokens): Triton's 3, as without the loop. Fewer where
-        # _LOOP_STAGES says.
+        # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
+        # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES says.
         **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
            else {"num_stages": stages}),
     )

@@ -205,6 +205,14 @@ def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION:
 
 
 @triton.jit
+def _concat(a, b):
+    """a and b [rows, width] side by side: [rows, 2 * width]."""
+    ROWS: tl.constexpr = a.shape[0]
+    WIDTH: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [ROWS, 2 * WIDTH])
+
+
+@triton.jit
 def _symmetric_cell_2_signed(value, b1, c0, c1):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
     positive boundaries b1 < ... < b1 below |value|. And the centroid +-c[level], with the value's sign."""
@@ -617,279 +625,29 @@ def _fill_kernel(
             code_7 = tl.where(upper, 2 + code_7, 1 - code_7)
             centroid = tl.where(upper, centroid, -centroid)
         residual_7 = unit - centroid
-        # The sign of S r, one projected coordinate per position: S is applied block by block, KEY_CHUNK x KEY_CHUNK.
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_0 = code_0 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_1 = code_1 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_2 = code_2 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_3 = code_3 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_4 = code_4 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_5 = code_5 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_6 = code_6 | ((projected >= 0).to(tl.int32) << 2)
-        projected = tl.zeros([BLOCK_T, KEY_CHUNK], tl.float32)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_0, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_1, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_2, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_3, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_4, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_5, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_6, tl.trans(qjl), DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        projected += _mm(residual_7, tl.trans(qjl), DOT_PRECISION)
-        code_7 = code_7 | ((projected >= 0).to(tl.int32) << 2)
+        # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
+        # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
+        residual = _concat(
+            _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
+            _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
+        )
+        key_dim = tl.arange(0, HEAD_DIM)
+        qjl = tl.load(key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_0 = code_0 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_1 = code_1 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_2 = code_2 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_3 = code_3 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_4 = code_4 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_5 = code_5 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_6 = code_6 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+        qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        code_7 = code_7 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
         residual_norm = tl.sqrt(
             tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
             + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)

@@ -428,6 +428,13 @@ class SideLayout:
             out = f"{combine}({item}, {out})"
         return out
 
+    def joined(self, var: str) -> str:
+        """The chunks `<var>_<c>` side by side, the whole row in position order (`_concat`, a pair at a time)."""
+        parts = [f"{var}_{c}" for c in range(self.chunks)]
+        while len(parts) > 1:
+            parts = [f"_concat({a}, {b})" for a, b in zip(parts[::2], parts[1::2])]
+        return parts[0]
+
     def sum_squares(self, var: str) -> str:
         """Each row's sum of squares over the chunks `<var>_<c>`."""
         return " + ".join(f"tl.sum({var}_{c} * {var}_{c}, axis=1)" for c in range(self.chunks))
@@ -1215,6 +1222,11 @@ class Layout:
             if copy and 1 + self.PIPELINE_SHARED // copy < 3:
                 stages[d] = 1 + self.PIPELINE_SHARED // copy
         return stages
+
+    @property
+    def joins_chunks(self) -> bool:
+        """Some side's fill puts its chunks side by side (`_concat`): a QJL residual, projected a whole row at a time."""
+        return any(part.qjl and part.chunks > 1 for base in ("key", "value") for part in self.parts(base))
 
     @property
     def projects_qjl(self) -> bool:

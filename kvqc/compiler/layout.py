@@ -47,6 +47,10 @@ def _constexpr(name: str, value: str) -> KernelParam:
     return KernelParam((f"{name}: tl.constexpr",), f"{name}={value}")
 
 
+# A cache row's strides, which `_row_strides(cache)` gives for the cache's layout.
+_ROW_STRIDES = KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)")
+
+
 @dataclass(frozen=True)
 class Plane:
     width: int  # bits per code in this plane: 8, 4, 2 or 1
@@ -327,15 +331,12 @@ class SideLayout:
         return tuple(out)
 
     @property
-    def pointers(self) -> tuple[str, ...]:
-        """The kernel parameters for this part's cache tensors and constant tables, in order."""
-        return tuple(f"{self.name}_{tensor}_ptr" for tensor in ("codes", "meta") + self.tables)
-
-    @property
-    def args(self) -> tuple[str, ...]:
-        """The wrappers' launch arguments for `pointers`: the cache's tensors and the module's tables."""
-        return (f"cache.{self.name}_codes", f"cache.{self.name}_meta") + tuple(
-            f'tables["{self.name}_{table}"]' for table in self.tables)
+    def params(self) -> tuple[KernelParam, ...]:
+        """The kernel parameters for this part's cache tensors and constant tables, in order, with the wrappers'
+        arguments for them: the cache's tensors and the module's tables."""
+        cache = [_positional(f"{self.name}_{field}_ptr", f"cache.{self.name}_{field}") for field in ("codes", "meta")]
+        return tuple(cache + [_positional(f"{self.name}_{table}_ptr", f'tables["{self.name}_{table}"]')
+                              for table in self.tables])
 
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
     @property
@@ -1216,17 +1217,18 @@ class Layout:
         stages = {}
         for d in self.head_dims:
             copy = 0
-            for part in self.parts("key") + self.parts("value"):
+            for part in self.sides:
                 width = 1 << (part.part_dim(d) - 1).bit_length()
                 copy += (2 * part.dense_matrix + 4 * part.qjl) * width * width
-            if copy and 1 + self.PIPELINE_SHARED // copy < 3:
-                stages[d] = 1 + self.PIPELINE_SHARED // copy
+            fit = 1 + self.PIPELINE_SHARED // copy if copy else 3
+            if fit < 3:
+                stages[d] = fit
         return stages
 
     @property
     def joins_chunks(self) -> bool:
-        """Some side's fill puts its chunks side by side (`_concat`): a QJL residual, projected a whole row at a time."""
-        return any(part.qjl and part.chunks > 1 for base in ("key", "value") for part in self.parts(base))
+        """Some side's fill puts its chunks side by side (`_concat`): a QJL residual, projected a row at a time."""
+        return any(side.qjl and side.chunks > 1 for side in self.sides)
 
     @property
     def projects_qjl(self) -> bool:
@@ -1477,7 +1479,7 @@ class Layout:
                                           f'scratch["query_{key.name}_qjl"]' if split else "q_qjl"))
         params += [_positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens")]
         for side in self.sides:
-            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+            params += side.params
             if side.fast_unpack and side.lut_words:
                 params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
         for value in self.value_parts:
@@ -1504,11 +1506,10 @@ class Layout:
         if self.padded:
             params.append(_constexpr("HEAD_PAD", "width"))
         if split:
-            params.append(KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
-                                      "**_part_constexprs(head_dim)"))
+            params.append(self._part_widths("head_dim"))
         params += [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
-            KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+            _ROW_STRIDES,
             _constexpr("BLOCK_N", "block_n"),
             _constexpr("SPLIT_CHUNK", "plan.split_chunk"),
             _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype]"),
@@ -1556,9 +1557,13 @@ class Layout:
         then each split part's widths and offsets."""
         widths = [_constexpr("HEAD_PAD", "_pow2(cache.head_dim)")] if self.padded else []
         if self.split:
-            widths.append(KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
-                                      "**_part_constexprs(cache.head_dim)"))
+            widths.append(self._part_widths("cache.head_dim"))
         return widths
+
+    def _part_widths(self, head_dim: str) -> KernelParam:
+        """Every split part's widths and offsets as constexprs, from `_part_constexprs` at the wrapper's `head_dim`."""
+        return KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
+                           f"**_part_constexprs({head_dim})")
 
     @property
     def fill_params(self) -> tuple[KernelParam, ...]:
@@ -1570,7 +1575,7 @@ class Layout:
         if self.centered:
             params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
         for side in self.sides:
-            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+            params += side.params
         params += [_positional("num_tokens", "num_tokens"), _positional("num_slots", "num_slots"),
                    _positional("stride_key_token", "key.stride(0)"), _positional("stride_key_head", "key.stride(1)"),
                    _positional("stride_value_token", "value.stride(0)"),
@@ -1578,7 +1583,7 @@ class Layout:
         if self.fill_loops:
             params.append(_positional("tiles", "tiles"))
         params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
-                   KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+                   _ROW_STRIDES,
                    _constexpr("HEAD_DIM", "cache.head_dim")]
         params += self._widths() + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
         if self.dense_matrix:
@@ -1598,7 +1603,7 @@ class Layout:
                   _positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens"),
                   _positional("start_loc_ptr", "start_loc")]
         for side in self.sides:
-            params += [_positional(name, arg) for name, arg in zip(side.pointers, side.args)]
+            params += side.params
             if side.flatten_fast and side.lut_words:
                 params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
         if self.window:
@@ -1614,7 +1619,7 @@ class Layout:
                    _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("HEAD_DIM", "cache.head_dim")]
         params += self._widths() + [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
-            KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)"),
+            _ROW_STRIDES,
             _constexpr("BLOCK_T", "_FLATTEN_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FLATTEN_IN_BLOCK")))

@@ -296,6 +296,15 @@ def _as_bhnd(x: torch.Tensor, batch: int, context: int) -> torch.Tensor:
 # ---------------------------------------------------------------- one shape
 
 
+def flattened_sdpa(module: ModuleType, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query: torch.Tensor, context: int) -> torch.Tensor:
+    """fp16 SDPA over the cache's own dequantized K and V (flatten), every sequence `context` tokens long: what
+    decode must give, up to kernel error."""
+    batch = block_tables.shape[0]
+    key, value = module.flatten(cache, block_tables, seq_lens, **_rows(module, batch))
+    return sdpa(query.unsqueeze(2), _as_bhnd(key, batch, context), _as_bhnd(value, batch, context)).squeeze(2)
+
+
 def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
     """Fill row with one shape's numbers; raises OutOfMemoryError or whatever a kernel raises."""
     b, n, d = row["batch"], row["context"], row["head_dim"]
@@ -319,9 +328,7 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
 
     # Correctness first: decode against SDPA over the same dequantized cache isolates kernel error from
     # quantization error.
-    key, value = module.flatten(cache, block_tables, seq_lens, **rows)
-    want = sdpa(query.unsqueeze(2), _as_bhnd(key, b, n), _as_bhnd(value, b, n)).squeeze(2)
-    del key, value
+    want = flattened_sdpa(module, cache, block_tables, seq_lens, query, n)
     got = module.decode(query, cache, block_tables, seq_lens, **rows)
     row["rel_err"] = rel_l2(got, want)
     del got, want

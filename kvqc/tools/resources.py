@@ -16,6 +16,7 @@ Two steps, each in a process of its own, because Triton reads TRITON_INTERPRET o
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -90,7 +91,7 @@ def _head_dims(scheme: str) -> tuple[int, ...]:
         return tuple(load_scheme(path).head_dims)
     text = resolve(scheme).read_text(encoding="utf-8")
     line = next(line for line in text.splitlines() if line.startswith("HEAD_DIMS = "))
-    return tuple(json.loads(line.split("=", 1)[1].strip().replace("(", "[").replace(")", "]").replace(",]", "]")))
+    return tuple(ast.literal_eval(line.split("=", 1)[1].strip()))
 
 
 def record(scheme: str, head_dim: int) -> list[dict]:

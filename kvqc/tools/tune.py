@@ -184,10 +184,7 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
     copies = max(1, bench.rotation_count(bench._cache_bytes(cache), bench._l2_bytes(), bench._free_bytes()))
     caches = [cache] + [bench._clone_cache(module, cache) for _ in range(copies - 1)]
     own = dict(module._DECODE_CONFIGS)  # put back afterwards: the sweep overrides one head_dim's entry
-    key, value = module.flatten(cache, block_tables, seq_lens, **bench._rows(module, batch))
-    want = bench.sdpa(query.unsqueeze(2), bench._as_bhnd(key, batch, context),
-                      bench._as_bhnd(value, batch, context)).squeeze(2).float()
-    del key, value
+    want = bench.flattened_sdpa(module, cache, block_tables, seq_lens, query, context).float()
     rows = []
     for variant in candidates:
         row = {"scheme": name, "head_dim": head_dim, "batch": batch, "context": context, "variant": list(variant),

@@ -183,7 +183,7 @@ def _fill_kernel(
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = _fp8_code(tl.minimum(tl.maximum(x_0 * inverse[:, None], -57344.0), 57344.0), 2, 15)
 
-    packed = ((code_0))
+    packed = code_0
     tl.store(
         key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :],
         packed.to(tl.uint8),
@@ -206,7 +206,7 @@ def _fill_kernel(
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = _fp8_code(tl.minimum(tl.maximum(x_0 * inverse[:, None], -57344.0), 57344.0), 2, 15)
 
-    packed = ((code_0))
+    packed = code_0
     tl.store(
         value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :],
         packed.to(tl.uint8),

@@ -165,7 +165,7 @@ def _fill_kernel(
 
     code_1 = tl.minimum(tl.maximum(tl.floor((x_1 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 15)
 
-    packed = ((code_0) & 15) | ((code_1) & 15) << 4
+    packed = code_0 & 15 | (code_1 & 15) << 4
     tl.store(
         key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :],
         packed.to(tl.uint8),
@@ -200,7 +200,7 @@ def _fill_kernel(
 
     code_1 = tl.minimum(tl.maximum(tl.floor((x_1 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 15)
 
-    packed = ((code_0) & 15) | ((code_1) & 15) << 4
+    packed = code_0 & 15 | (code_1 & 15) << 4
     tl.store(
         value_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + value_chunk[None, :],
         packed.to(tl.uint8),

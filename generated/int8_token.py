@@ -157,7 +157,7 @@ def _fill_kernel(
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = tl.minimum(tl.maximum(tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 255)
 
-    packed = ((code_0))
+    packed = code_0
     tl.store(
         key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :],
         packed.to(tl.uint8),
@@ -183,7 +183,7 @@ def _fill_kernel(
     inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     code_0 = tl.minimum(tl.maximum(tl.floor((x_0 - zero[:, None]) * inverse[:, None] + 0.5).to(tl.int32), 0), 255)
 
-    packed = ((code_0))
+    packed = code_0
     tl.store(
         value_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + value_chunk[None, :],
         packed.to(tl.uint8),

@@ -98,7 +98,7 @@ _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8, context
 # 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records the
 # sweep.
-_DECODE_CONFIGS = {64: (32, 1, 3, 8, 64), 128: (32, 1, 3, 8, 64), 256: (32, 2, 2, 8, 64)}
+_DECODE_CONFIGS = {64: (32, 1, 3, 8, 64), 128: (32, 1, 3, 8, 64), 256: (32, 1, 2, 8, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
@@ -289,7 +289,7 @@ def _fill_kernel(
         tl.store(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 2, scale.to(value_meta_ptr.dtype.element_ty), mask=valid)
         tl.store(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 3, zero.to(value_meta_ptr.dtype.element_ty), mask=valid)
 
-    packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+    packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
     tl.store(
         value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
         packed.to(tl.uint8),
@@ -1751,167 +1751,168 @@ def _key_group_kernel(
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 4
     key_chunk = tl.arange(0, KEY_CHUNK)
     KEY_META_WIDTH: tl.constexpr = (HEAD_DIM // 32 * 2)  # metadata values a slot holds of its group's
-    for i in range(TOKENS):
+    # The run's indices in three loads, and its tokens that complete a group taken one at a time, lowest first:
+    # most runs hold one or none, and a token that completes none costs nothing more.
+    run = tl.arange(0, TOKENS)
+    here = tl.program_id(0) * TOKENS + run < num_tokens
+    run_slots = tl.load(slot_mapping_ptr + tl.program_id(0) * TOKENS + run, mask=here, other=-1).to(tl.int64)
+    run_positions = tl.load(positions_ptr + tl.program_id(0) * TOKENS + run, mask=here, other=0)
+    run_rings = tl.load(window_index_ptr + tl.program_id(0) * TOKENS + run, mask=here, other=-1)
+    completes = (run_positions % 32 == 31) & (run_slots >= 31) & (run_slots < num_slots)
+    completes = completes & (run_rings >= 0) & (run_rings < max_seqs)
+    i = tl.min(tl.where(completes, run, TOKENS))
+    while i < TOKENS:
+        pick = run == i
         token = tl.program_id(0) * TOKENS + i
-        here = token < num_tokens
-        slot = tl.load(slot_mapping_ptr + token, mask=here, other=-1).to(tl.int64)
-        position = tl.load(positions_ptr + token, mask=here, other=0)
-        ring = tl.load(window_index_ptr + token, mask=here, other=-1)
-        if (position % 32 == 31) & (slot >= 31) & (slot < num_slots) & (ring >= 0) & (ring < max_seqs):
-            member = tl.arange(0, 32)  # the group's tokens, oldest first
-            source = token - 31 + member
-            member_position = position - 31 + member
-            has = source >= 0
-            fresh = has & (tl.load(window_index_ptr + source, mask=has, other=-1) == ring)
-            fresh = fresh & (tl.load(positions_ptr + source, mask=has, other=-1) == member_position)
-            fresh = fresh & (tl.load(slot_mapping_ptr + source, mask=has, other=-1) >= 0)
-            ring_row = (ring.to(tl.int64) * WINDOW + member_position % WINDOW) * NUM_KV_HEADS + head
-            first = slot - 31  # the group's first slot: the same block as its last
-            first = (
-                first // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + first % BLOCK_SIZE * TOKEN_STRIDE
-                + head * HEAD_STRIDE
-            )
-            row = first + member * TOKEN_STRIDE
-            stored = member >= 0
-            column = key_chunk[None, :]
-            # Rounded to the ring's dtype either way, so that a group reads the same values whichever call brought them.
-            x = tl.load(
-                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-                mask=fresh[:, None],
-                other=0.0,
-            )
-            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-            old = tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-                mask=~fresh[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            x = tl.where(fresh[:, None], x, old)
-            zero = tl.min(x, axis=0)
-            scale = (tl.max(x, axis=0) - zero) / 3
-            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-            code_0 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+        slot = tl.sum(tl.where(pick, run_slots, 0))
+        position = tl.sum(tl.where(pick, run_positions, 0))
+        ring = tl.sum(tl.where(pick, run_rings, 0))
+        member = tl.arange(0, 32)  # the group's tokens, oldest first
+        source = token - 31 + member
+        member_position = position - 31 + member
+        has = source >= 0
+        fresh = has & (tl.load(window_index_ptr + source, mask=has, other=-1) == ring)
+        fresh = fresh & (tl.load(positions_ptr + source, mask=has, other=-1) == member_position)
+        fresh = fresh & (tl.load(slot_mapping_ptr + source, mask=has, other=-1) >= 0)
+        ring_row = (ring.to(tl.int64) * WINDOW + member_position % WINDOW) * NUM_KV_HEADS + head
+        first = slot - 31  # the group's first slot: the same block as its last
+        first = (
+            first // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + first % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+        )
+        row = first + member * TOKEN_STRIDE
+        stored = member >= 0
+        column = key_chunk[None, :]
+        # Rounded to the ring's dtype either way, so that a group reads the same values whichever call brought them.
+        x = tl.load(
+            key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+            mask=fresh[:, None],
+            other=0.0,
+        )
+        x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+        old = tl.load(
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+            mask=~fresh[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.where(fresh[:, None], x, old)
+        zero = tl.min(x, axis=0)
+        scale = (tl.max(x, axis=0) - zero) / 3
+        inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+        code_0 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-            index = (key_chunk) * 2
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                scale.to(key_meta_ptr.dtype.element_ty),
-            )
-            index = (key_chunk) * 2 + 1
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                zero.to(key_meta_ptr.dtype.element_ty),
-            )
-            column = 1 * KEY_CHUNK + key_chunk[None, :]
-            x = tl.load(
-                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-                mask=fresh[:, None],
-                other=0.0,
-            )
-            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-            old = tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-                mask=~fresh[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            x = tl.where(fresh[:, None], x, old)
-            zero = tl.min(x, axis=0)
-            scale = (tl.max(x, axis=0) - zero) / 3
-            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-            code_1 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+        # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+        index = (key_chunk) * 2
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            scale.to(key_meta_ptr.dtype.element_ty),
+        )
+        index = (key_chunk) * 2 + 1
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            zero.to(key_meta_ptr.dtype.element_ty),
+        )
+        packed_0_0 = code_0 & 3
 
-            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-            index = (1 * KEY_CHUNK + key_chunk) * 2
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                scale.to(key_meta_ptr.dtype.element_ty),
-            )
-            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                zero.to(key_meta_ptr.dtype.element_ty),
-            )
-            column = 2 * KEY_CHUNK + key_chunk[None, :]
-            x = tl.load(
-                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-                mask=fresh[:, None],
-                other=0.0,
-            )
-            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-            old = tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-                mask=~fresh[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            x = tl.where(fresh[:, None], x, old)
-            zero = tl.min(x, axis=0)
-            scale = (tl.max(x, axis=0) - zero) / 3
-            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-            code_2 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+        column = 1 * KEY_CHUNK + key_chunk[None, :]
+        x = tl.load(
+            key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+            mask=fresh[:, None],
+            other=0.0,
+        )
+        x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+        old = tl.load(
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+            mask=~fresh[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.where(fresh[:, None], x, old)
+        zero = tl.min(x, axis=0)
+        scale = (tl.max(x, axis=0) - zero) / 3
+        inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+        code_1 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
-            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-            index = (2 * KEY_CHUNK + key_chunk) * 2
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                scale.to(key_meta_ptr.dtype.element_ty),
-            )
-            index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                zero.to(key_meta_ptr.dtype.element_ty),
-            )
-            column = 3 * KEY_CHUNK + key_chunk[None, :]
-            x = tl.load(
-                key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
-                mask=fresh[:, None],
-                other=0.0,
-            )
-            x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
-            old = tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-                mask=~fresh[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            x = tl.where(fresh[:, None], x, old)
-            zero = tl.min(x, axis=0)
-            scale = (tl.max(x, axis=0) - zero) / 3
-            inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
-            code_3 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+        # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+        index = (1 * KEY_CHUNK + key_chunk) * 2
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            scale.to(key_meta_ptr.dtype.element_ty),
+        )
+        index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            zero.to(key_meta_ptr.dtype.element_ty),
+        )
+        packed_0_0 |= (code_1 & 3) << 2
 
-            # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-            index = (3 * KEY_CHUNK + key_chunk) * 2
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                scale.to(key_meta_ptr.dtype.element_ty),
-            )
-            index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
-            tl.store(
-                key_meta_ptr + (
-                    first + index // KEY_META_WIDTH * TOKEN_STRIDE
-                ) * KEY_META_WIDTH + index % KEY_META_WIDTH,
-                zero.to(key_meta_ptr.dtype.element_ty),
-            )
-            packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
-            tl.store(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
-                packed.to(tl.uint8),
-                mask=stored[:, None],
-            )
+        column = 2 * KEY_CHUNK + key_chunk[None, :]
+        x = tl.load(
+            key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+            mask=fresh[:, None],
+            other=0.0,
+        )
+        x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+        old = tl.load(
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+            mask=~fresh[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.where(fresh[:, None], x, old)
+        zero = tl.min(x, axis=0)
+        scale = (tl.max(x, axis=0) - zero) / 3
+        inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+        code_2 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+
+        # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+        index = (2 * KEY_CHUNK + key_chunk) * 2
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            scale.to(key_meta_ptr.dtype.element_ty),
+        )
+        index = (2 * KEY_CHUNK + key_chunk) * 2 + 1
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            zero.to(key_meta_ptr.dtype.element_ty),
+        )
+        packed_0_0 |= (code_2 & 3) << 4
+
+        column = 3 * KEY_CHUNK + key_chunk[None, :]
+        x = tl.load(
+            key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
+            mask=fresh[:, None],
+            other=0.0,
+        )
+        x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
+        old = tl.load(
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
+            mask=~fresh[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.where(fresh[:, None], x, old)
+        zero = tl.min(x, axis=0)
+        scale = (tl.max(x, axis=0) - zero) / 3
+        inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+        code_3 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
+
+        # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
+        index = (3 * KEY_CHUNK + key_chunk) * 2
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            scale.to(key_meta_ptr.dtype.element_ty),
+        )
+        index = (3 * KEY_CHUNK + key_chunk) * 2 + 1
+        tl.store(
+            key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
+            zero.to(key_meta_ptr.dtype.element_ty),
+        )
+        packed_0_0 |= (code_3 & 3) << 6
+        tl.store(
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
+            packed_0_0.to(tl.uint8),
+            mask=stored[:, None],
+        )
+
+        completes = completes & ~pick
+        i = tl.min(tl.where(completes, run, TOKENS))
 
 
 @triton.jit
@@ -2890,10 +2891,11 @@ def decode(
         HEAD_DIM=head_dim,
         D_PAD=_pow2(head_dim),
         WINDOW=WINDOW,
-        BLOCK_W=max(16, min(64, _pow2(WINDOW))),
+        BLOCK_W=max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
         SPLIT_CHUNK=plan.split_chunk,
         MERGE=merging,
+        num_warps=4 if head_dim <= 128 else 8,  # 4 warps spill a 256-wide head's ring tiles
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,

@@ -582,33 +582,33 @@ def _fill_kernel(
             tl.store(key_meta_ptr + row * (HEAD_DIM // 32 * 1) + 3, scale.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_0 >> 1) & 15) | ((code_4 >> 1) & 15) << 4
+        packed = (code_0 >> 1) & 15 | ((code_4 >> 1) & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_1 >> 1) & 15) | ((code_5 >> 1) & 15) << 4
+        packed = (code_1 >> 1) & 15 | ((code_5 >> 1) & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_2 >> 1) & 15) | ((code_6 >> 1) & 15) << 4
+        packed = (code_2 >> 1) & 15 | ((code_6 >> 1) & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 2 * KEY_CHUNK + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_3 >> 1) & 15) | ((code_7 >> 1) & 15) << 4
+        packed = (code_3 >> 1) & 15 | ((code_7 >> 1) & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM * 1 // 8 + 3 * KEY_CHUNK + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -950,21 +950,21 @@ def _fill_kernel(
             upper = unit > 0
             code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_1 >> 1) & 3) | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK
             + value_chunk[None, :],

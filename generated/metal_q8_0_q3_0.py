@@ -302,7 +302,7 @@ def _fill_kernel(
             mask=valid[:, None],
         )
 
-        packed = ((code_0))
+        packed = code_0
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 8 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -644,21 +644,21 @@ def _fill_kernel(
             upper = unit > 0
             code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_1 >> 1) & 3) | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK
             + value_chunk[None, :],

@@ -460,8 +460,8 @@ def _fill_kernel(
         upper = unit > 0
         code_7 = upper.to(tl.int32)
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :],
@@ -715,8 +715,8 @@ def _fill_kernel(
         upper = unit > 0
         code_7 = upper.to(tl.int32)
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :],
@@ -3197,10 +3197,11 @@ def decode(
         HEAD_DIM=head_dim,
         D_PAD=_pow2(head_dim),
         WINDOW=WINDOW,
-        BLOCK_W=max(16, min(64, _pow2(WINDOW))),
+        BLOCK_W=max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
         SPLIT_CHUNK=plan.split_chunk,
         MERGE=merging,
+        num_warps=4 if head_dim <= 128 else 8,  # 4 warps spill a 256-wide head's ring tiles
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,

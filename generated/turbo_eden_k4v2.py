@@ -393,7 +393,7 @@ def _fill_kernel(
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
         norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)
-        packed = ((code_0) & 15) | ((code_1) & 15) << 4
+        packed = code_0 & 15 | (code_1 & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -570,7 +570,7 @@ def _fill_kernel(
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
         norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)
-        packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+        packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),

@@ -443,7 +443,7 @@ def _fill_kernel(
             code_3 += beyond.to(tl.int32)
             upper = unit > 0
             code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-        packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+        packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -620,7 +620,7 @@ def _fill_kernel(
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
         norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)
-        packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+        packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),
@@ -2790,10 +2790,11 @@ def decode(
         HEAD_DIM=head_dim,
         D_PAD=_pow2(head_dim),
         WINDOW=WINDOW,
-        BLOCK_W=max(16, min(64, _pow2(WINDOW))),
+        BLOCK_W=max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW))),
         DOT_PRECISION=_DOT_PRECISION,
         SPLIT_CHUNK=plan.split_chunk,
         MERGE=merging,
+        num_warps=4 if head_dim <= 128 else 8,  # 4 warps spill a 256-wide head's ring tiles
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,

@@ -378,7 +378,7 @@ def _fill_kernel(
             code_1 = code_1 | ((residual_1 >= 0).to(tl.int32) << 3)
         residual_square += tl.sum(residual_1 * residual_1, axis=1)
         residual_rms = tl.sqrt(residual_square / HEAD_DIM)
-        packed = ((code_0) & 15) | ((code_1) & 15) << 4
+        packed = code_0 & 15 | (code_1 & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 4 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -539,7 +539,7 @@ def _fill_kernel(
             code_3 += beyond.to(tl.int32)
             upper = unit > 0
             code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-        packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+        packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),

@@ -502,7 +502,7 @@ def _fill_kernel(
         code_1 += beyond.to(tl.int32)
         upper = unit > 0
         code_1 = tl.where(upper, 8 + code_1, 7 - code_1)
-    packed = ((code_0) & 15) | ((code_1) & 15) << 4
+    packed = code_0 & 15 | (code_1 & 15) << 4
     tl.store(
         key_outlier_codes_ptr + row[:, None] * (KEY_OUTLIER_DIM * 4 // 8) + key_outlier_chunk[None, :],
         packed.to(tl.uint8),
@@ -646,7 +646,7 @@ def _fill_kernel(
         code_3 += beyond.to(tl.int32)
         upper = unit > 0
         code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-    packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+    packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
     tl.store(
         key_codes_ptr + row[:, None] * (KEY_DIM * 2 // 8) + key_chunk[None, :],
         packed.to(tl.uint8),
@@ -806,7 +806,7 @@ def _fill_kernel(
         code_1 += beyond.to(tl.int32)
         upper = unit > 0
         code_1 = tl.where(upper, 8 + code_1, 7 - code_1)
-    packed = ((code_0) & 15) | ((code_1) & 15) << 4
+    packed = code_0 & 15 | (code_1 & 15) << 4
     tl.store(
         value_outlier_codes_ptr + row[:, None] * (VALUE_OUTLIER_DIM * 4 // 8) + value_outlier_chunk[None, :],
         packed.to(tl.uint8),
@@ -958,7 +958,7 @@ def _fill_kernel(
         code_3 += beyond.to(tl.int32)
         upper = unit > 0
         code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-    packed = ((code_0) & 3) | ((code_1) & 3) << 2 | ((code_2) & 3) << 4 | ((code_3) & 3) << 6
+    packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
     tl.store(
         value_codes_ptr + row[:, None] * (VALUE_DIM * 2 // 8) + value_chunk[None, :],
         packed.to(tl.uint8),

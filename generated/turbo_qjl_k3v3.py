@@ -655,21 +655,21 @@ def _fill_kernel(
             + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
         )
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_1 >> 1) & 3) | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * KEY_CHUNK + key_chunk[None, :],
             packed.to(tl.uint8),
@@ -1014,21 +1014,21 @@ def _fill_kernel(
             upper = unit > 0
             code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
         packed = (
-            ((code_0) & 1) | ((code_1) & 1) << 1 | ((code_2) & 1) << 2 | ((code_3) & 1) << 3 | ((code_4) & 1) << 4
-            | ((code_5) & 1) << 5 | ((code_6) & 1) << 6 | ((code_7) & 1) << 7
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_0 >> 1) & 3) | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
-        packed = ((code_1 >> 1) & 3) | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM * 1 // 8 + 1 * VALUE_CHUNK
             + value_chunk[None, :],
@@ -1260,262 +1260,27 @@ def _flatten_kernel(
 
         signs_7 = signs
 
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 0 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_0 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_1 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_2 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_3 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_4 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_5 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_6 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_0, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (1 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_1, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_2, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_3, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_4, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_5, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_6, qjl, DOT_PRECISION)
-        qjl = tl.load(
-            key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
-        )
-        tile_7 += key_qjl_row[:, None] * _mm(signs_7, qjl, DOT_PRECISION)
+        signs = _concat(
+            _concat(_concat(signs_0, signs_1), _concat(signs_2, signs_3)),
+            _concat(_concat(signs_4, signs_5), _concat(signs_6, signs_7)),
+        )
+        key_dim = tl.arange(0, HEAD_DIM)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + key_chunk[None, :])
+        tile_0 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :])
+        tile_1 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :])
+        tile_2 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :])
+        tile_3 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :])
+        tile_4 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :])
+        tile_5 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :])
+        tile_6 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :])
+        tile_7 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
         if ROTATED:
             tile_0 = tile_0.to(tl.float32)
             tile_1 = tile_1.to(tl.float32)

@@ -219,6 +219,25 @@ def test_token_by_token_fill_equals_one_fill(name):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
+PER_CHANNEL = [n for n in ALL if group_tokens(generated(n)) > 1]
+
+
+@pytest.mark.parametrize("name", PER_CHANNEL, ids=[n.rsplit("/", 1)[-1].removesuffix(".yaml") for n in PER_CHANNEL])
+def test_a_call_where_every_token_completes_a_group(name):
+    """A decode step of 40 sequences each at a group's last position: 40 groups quantized in one call, more than one
+    group program's run of tokens, each group's earlier tokens from the ring."""
+    m = generated(name)
+    d = m.HEAD_DIMS[0]
+    g = group_tokens(m)
+    e = Engine(m, d, g * 2, 1, [g] * 40, torch.float16, 3)
+    cache, want = e.allocate(), e.allocate()
+    for chunk in (g - 1, 1):
+        args = e.call(chunk)
+        fill(m, cache, args)
+        fill(m.reference, want, args)
+    check_same_cache(m, cache, want, d)
+
+
 @pytest.mark.parametrize("name", WINDOW_SCHEMES)
 def test_window_arguments_are_checked(name, monkeypatch):
     m = generated(name)

@@ -412,12 +412,27 @@ class SideLayout:
         for i, plane in enumerate(self.planes):
             ranges = self.ranges(plane)
             for r in range(ranges):
-                fields = []
-                for field in range(plane.per_byte):
-                    code = f"code_{field * ranges + r}" + (f" >> {plane.shift}" if plane.shift else "")
-                    bits = f"({code})" + (f" & {2 ** plane.width - 1}" if plane.width < 8 else "")
-                    fields.append(f"({bits})" + (f" << {field * plane.width}" if field else ""))
+                fields = [self._field(plane, field * ranges + r, field) for field in range(plane.per_byte)]
                 out.append((i, r, " | ".join(fields)))
+        return tuple(out)
+
+    @staticmethod
+    def _field(plane: Plane, c: int, field: int) -> str:
+        """Chunk c's bits of a plane, in place as the byte's field `field`."""
+        code = f"(code_{c} >> {plane.shift})" if plane.shift else f"code_{c}"
+        bits = f"{code} & {2 ** plane.width - 1}" if plane.width < 8 else code
+        return f"({bits}) << {field * plane.width}" if field else bits
+
+    def chunk_packing(self, c: int) -> tuple[tuple[str, tuple[int, int] | None], ...]:
+        """Packing chunk c as soon as its codes `code_<c>` are final, so that one byte range a plane is live rather
+        than every chunk's codes: per plane, a line or'ing the chunk's field into `packed_<plane>_<range>`, with
+        that (plane, range) where chunk c is the range's last field (to be stored then), else None."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            ranges = self.ranges(plane)
+            r, field = c % ranges, c // ranges
+            line = f"packed_{i}_{r} {'|=' if field else '='} {self._field(plane, c, field)}"
+            out.append((line, (i, r) if field == plane.per_byte - 1 else None))
         return tuple(out)
 
     def reduce_chunks(self, combine: str, each: str, chunks: int | None = None, first: int = 0) -> str:
@@ -1546,7 +1561,7 @@ class Layout:
                    _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group"),
                    _constexpr("GROUP_PAD", "max(16, _pow2(group))"), _constexpr("HEAD_DIM", "head_dim"),
                    _constexpr("D_PAD", "_pow2(head_dim)"), _constexpr("WINDOW", "WINDOW"),
-                   _constexpr("BLOCK_W", "max(16, min(64, _pow2(WINDOW)))"),
+                   _constexpr("BLOCK_W", "max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW)))"),
                    _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
         if self.decode_merge:
             params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]

@@ -180,7 +180,11 @@ def _explain(args: argparse.Namespace) -> int:
               "from this call's tokens and the ring")
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
-    print("           the query is rotated once and the output rotated back once")
+    turned = [what for what, parts in (("the query is rotated once", layout.key_parts),
+                                       ("the output is rotated back once", layout.value_parts))
+              if any(part.rotated for part in parts)]
+    if turned:
+        print("           " + " and ".join(turned))
     if layout.projects_query:
         print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its "
               "own")

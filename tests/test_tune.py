@@ -116,6 +116,10 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     assert "Test GPU (batch 1)" in codegen.decode_tuning("some_scheme")["comment"]
     assert "Other GPU (batch 8)" in codegen.decode_tuning("later")["comment"]
     assert codegen.decode_tuning("other")["configs"] == "{}"
+    # Small heads the table does not name take the small-head default; a named one keeps its entry.
+    small = codegen.decode_tuning("other", (64, 128))
+    assert small["configs"] == "{64: (64, 1, 3, 8, 128)}" and "small-head default" in small["comment"]
+    assert codegen.decode_tuning("some_scheme", (64, 128))["configs"] == got["configs"]
     assert codegen.decode_tuning("int4_token")["comment"] == shipped_note
 
 

@@ -17,6 +17,10 @@ CASES = {
                "got {x.device} and {x.dtype} which no kernel here takes\")\n",
     "comment": "x = 1  # " + "a trailing remark that makes this line far longer than the limit allows " * 2 + "\n",
     "table": "T = {128: (" + ", ".join(str(i % 3 - 1) for i in range(128)) + ")}\n",
+    "product": "if x:\n    if y:\n        value_outlier_qjl_row = value_outlier_norm * value_outlier_residual_norm * "
+               "1.2533141373155001 / VALUE_OUTLIER_DIM\n",
+    "chain": "tensors['key_channels'] = _fixed_order(head_dim, KEY_OUTLIER_CHANNELS).expand(num_kv_heads, -1)"
+             ".contiguous().to(device, non_blocking=True)\n",
     "nested": "f(a, g(b, c, dddddddddddddddddddddddddddddddddddddddddddddd, eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee, "
               "fffffffffffffffffffffffffffffffffffff), h)\n",
 }

@@ -30,7 +30,7 @@ RUNTIME_MARKER = "# ---- generated modules carry the rest of this file verbatim 
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -38,6 +38,21 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.filters["packed"] = packed
+    return env
+
+
+def packed(items: list[str], indent: str, width: int = 120) -> str:
+    """`items`, each followed by a comma, as few lines within `width` columns as fit them: the first line's indent is
+    the template's, the others' `indent`."""
+    lines, line = [], ""
+    for item in items:
+        if line and len(indent) + len(line) + len(item) + 2 > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += f"{item}, "
+    lines.append(line.rstrip())
+    return ("\n" + indent).join(lines)
 
 
 def _floats(values: tuple[float, ...]) -> str:
@@ -91,18 +106,23 @@ def _generator_source() -> str:
 DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
-def decode_tuning(name: str) -> dict:
+def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     """The decode launch table for one scheme, and its fill's register cap, as the module template renders them
-    (see `kvqc tune`)."""
+    (see `kvqc tune`). Head dims of 64 or less that the table does not name take `default_small_heads`."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
+    small = [d for d in head_dims if d <= 64 and d not in configs]
     if configs:
         sweep = table.get("sweeps", {}).get(name, f"{table['device']} ({table.get('shapes', '')})")
         where = sweep[: sweep.index(")") + 1] if ")" in sweep else sweep  # the device and shapes, not the run's notes
         comment = f"Tuned on {where}; templates/decode_tuning.json records the sweep."
     else:
-        comment = "Not tuned for this scheme: every head_dim takes the default."
+        comment = "Not tuned for this scheme: " + ("head_dims above 64 take" if small else "every head_dim takes") + \
+            " the default."
+    if small:
+        configs.update({d: tuple(int(x) for x in table["default_small_heads"]) for d in small})
+        comment += f" head_dim {', '.join(map(str, small))}: the small-head default (one warp a program)."
     lazy = name in table.get("lazy_rescale", [])
     rotate_apart = name in table.get("rotate_query_apart", [])
     # The looping fill's register cap and programs per SM, per head_dim where measured: a cap that helps at one
@@ -150,7 +170,7 @@ def render(scheme: Scheme) -> str:
         example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
-        tuning=decode_tuning(scheme.name),
+        tuning=decode_tuning(scheme.name, scheme.head_dims),
         runtime=runtime_source,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)

@@ -17,6 +17,7 @@ Terms used across kvqc and the generated code:
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 
 from kvqc.numerics import rotation
@@ -434,6 +435,22 @@ class SideLayout:
             line = f"packed_{i}_{r} {'|=' if field else '='} {self._field(plane, c, field)}"
             out.append((line, (i, r) if field == plane.per_byte - 1 else None))
         return tuple(out)
+
+    @property
+    def group_params(self) -> tuple[KernelParam, ...]:
+        """A per-channel side's _<side>_group_kernel parameters and fill's launch arguments for it: the new rows,
+        their slots, positions and ring rows, the side's ring, codes and metadata, the counts and strides; then the
+        constexprs."""
+        n = self.name
+        return (_positional(f"{n}_ptr", n), _positional("slot_mapping_ptr", "slot_mapping"),
+                _positional("positions_ptr", "positions"), _positional("window_index_ptr", "window_index"),
+                _positional(f"{n}_window_ptr", f"cache.{n}_window"), _positional(f"{n}_codes_ptr", f"cache.{n}_codes"),
+                _positional(f"{n}_meta_ptr", f"cache.{n}_meta"), _positional("num_tokens", "num_tokens"),
+                _positional("num_slots", "num_slots"), _positional("max_seqs", "cache.max_seqs"),
+                _positional(f"stride_{n}_token", f"{n}.stride(0)"), _positional(f"stride_{n}_head", f"{n}.stride(1)"),
+                _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
+                _ROW_STRIDES, _constexpr("HEAD_DIM", "cache.head_dim"), _constexpr("WINDOW", "WINDOW"),
+                _constexpr("TOKENS", "_GROUP_TOKENS"))
 
     def reduce_chunks(self, combine: str, each: str, chunks: int | None = None, first: int = 0) -> str:
         """`combine(each_0, combine(each_1, ...))`: one value per row from every chunk, or from `chunks` chunks from
@@ -998,7 +1015,9 @@ class SideLayout:
     def outlier_doc(self) -> str:
         """How an outlier part's channels are chosen, for calibrate's docstring."""
         if self.outlier_select == "fixed":
-            return f"fixed by the scheme (channels {list(self.outlier_channels)}); calibrate leaves them."
+            # Each line within 120 columns after the docstring's "    Value: " (a long list takes several).
+            text = f"fixed by the scheme (channels {list(self.outlier_channels)}); calibrate leaves them."
+            return "\n    ".join(textwrap.wrap(text, 120 - len("    Value: ")))
         score = "variance" if self.outlier_select == "variance" else "mean square"
         return (f"the {self.base.upper()}_OUTLIERS * head_dim channels of largest {score} over the tokens "
                 "(ties: the lower channel).")
@@ -1267,6 +1286,16 @@ class Layout:
         """The module builds constant tensors (`_tables`): some side has a matrix, a codebook, a QJL projection or
         padded positions."""
         return any(side.tables or side.padded for side in self.sides)
+
+    @property
+    def fill_reads_tables(self) -> bool:
+        """fill passes some of `_tables` to its kernel."""
+        return any("tables[" in p.arg for p in self.fill_params)
+
+    @property
+    def flatten_reads_tables(self) -> bool:
+        """flatten passes some of `_tables` to its kernel."""
+        return any("tables[" in p.arg for p in self.flatten_params)
 
     @property
     def builds_hadamard(self) -> bool:
@@ -1538,6 +1567,104 @@ class Layout:
         if self.fuses_query_rotation:
             params.append(_constexpr("ROTATE", "_ROTATE_IN_DECODE"))
         return tuple(params + [_constexpr("PDL", "pdl")])
+
+    def _part_widths_params(self) -> list[KernelParam]:
+        """The split kernels' width constexprs at decode's `head_dim`: the head, its power-of-two pad where padded,
+        every part's widths and offsets."""
+        widths = [_constexpr("HEAD_DIM", "head_dim")]
+        if self.padded:
+            widths.append(_constexpr("HEAD_PAD", "_pow2(head_dim)"))
+        return widths + [self._part_widths("head_dim")]
+
+    @property
+    def query_parts_params(self) -> tuple[KernelParam, ...]:
+        """_query_parts_kernel's parameters and decode's launch arguments for it: the query, the key's channel order
+        where it is split by channels, each key part's rotation and QJL projection with its scratch; the row
+        count; then the constexprs."""
+        params = [_positional("query_ptr", "query")]
+        if "key" in self.split_bases:
+            params.append(_positional("key_channels_ptr", '_channels(cache, "key")'))
+        for key in self.key_parts:
+            if key.uses_matrix:
+                params.append(_positional(f"{key.name}_rotation_ptr", f'tables["{key.name}_rotation"]'))
+            if key.qjl:
+                params.append(_positional(f"{key.name}_qjl_ptr", f'tables["{key.name}_qjl"]'))
+            params.append(_positional(f"query_{key.tag}out_ptr", f'scratch["query_{key.name}"]'))
+            if key.qjl:
+                params.append(_positional(f"query_{key.tag}qjl_out_ptr", f'scratch["query_{key.name}_qjl"]'))
+        params.append(_positional("rows", "rows"))
+        if "key" in self.split_bases:
+            params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group")]
+        return tuple(params + self._part_widths_params() + [
+            _constexpr("ROWS", "16"), _constexpr("DOT_PRECISION", "_DOT_PRECISION"), _constexpr("PDL", "pdl")])
+
+    @property
+    def merge_parts_params(self) -> tuple[KernelParam, ...]:
+        """_merge_parts_kernel's parameters and decode's launch arguments for it: each value part's partial output
+        (with its QJL share and projection) and rotation, the value's channel order where it is split by channels,
+        the splits' maxima and sums, the output, the lengths; then the constexprs."""
+        params = []
+        for value in self.value_parts:
+            params.append(_positional(f"partial_{value.tag}out_ptr", f'partials["{value.name}"]'))
+            if value.qjl:
+                params += [_positional(f"partial_{value.tag}qjl_ptr", f'partials["{value.name}_qjl"]'),
+                           _positional(f"{value.name}_qjl_ptr", f'tables["{value.name}_qjl"]')]
+            if value.uses_matrix:
+                params.append(_positional(f"{value.name}_rotation_ptr", f'tables["{value.name}_rotation"]'))
+        if "value" in self.split_bases:
+            params.append(_positional("value_channels_ptr", '_channels(cache, "value")'))
+        params += [_positional("partial_max_ptr", "partial_max"), _positional("partial_sum_ptr", "partial_sum"),
+                   _positional("out_ptr", "out"), _positional("seq_lens_ptr", "seq_lens"),
+                   _positional("num_splits", "num_splits"), _constexpr("NUM_Q_HEADS", "num_q_heads")]
+        if "value" in self.split_bases:
+            params.append(_constexpr("GROUP", "group"))
+        return tuple(params + self._part_widths_params() + [
+            _constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("SPLITS_PAD", "_pow2(num_splits)"),
+            _constexpr("PDL", "pdl")])
+
+    @property
+    def window_store_params(self) -> tuple[KernelParam, ...]:
+        """_window_store_kernel's parameters and fill's launch arguments for it, in order: the new rows, their slots,
+        positions and ring rows, the rings, the counts and the rows' strides; then the constexprs."""
+        return (_positional("key_ptr", "key"), _positional("value_ptr", "value"),
+                _positional("slot_mapping_ptr", "slot_mapping"), _positional("positions_ptr", "positions"),
+                _positional("window_index_ptr", "window_index"), _positional("key_window_ptr", "cache.key_window"),
+                _positional("value_window_ptr", "cache.value_window"), _positional("num_tokens", "num_tokens"),
+                _positional("max_seqs", "cache.max_seqs"), _positional("stride_key_token", "key.stride(0)"),
+                _positional("stride_key_head", "key.stride(1)"), _positional("stride_value_token", "value.stride(0)"),
+                _positional("stride_value_head", "value.stride(1)"),
+                _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("HEAD_DIM", "cache.head_dim"),
+                _constexpr("D_PAD", "_pow2(cache.head_dim)"), _constexpr("WINDOW", "WINDOW"),
+                _constexpr("BLOCK_T", "_FILL_BLOCK_T"))
+
+    @property
+    def rotate_query_params(self) -> tuple[KernelParam, ...]:
+        """_rotate_query_kernel's parameters and decode's launch arguments for it: the query, the signs, the rotated
+        rows' scratch (and the QJL projection with its scratch where decode projects the query), the row count;
+        then the constexprs."""
+        params = [_positional("query_ptr", "q" if self.projects_query else "q.contiguous()"),
+                  _positional("key_matrix_ptr", 'tables["key_matrix"]'), _positional("out_ptr", 'scratch["rotated"]')]
+        if self.projects_query:
+            params += [_positional("key_qjl_ptr", 'tables["key_qjl"]'),
+                       _positional("projected_ptr", 'scratch["projected"]')]
+        params += [_positional("rows", "q.shape[0]"), _constexpr("HEAD_DIM", "head_dim"), _constexpr("ROWS", "16")]
+        if self.projects_query:
+            params.append(_constexpr("PRECISION", "_DOT_PRECISION"))
+        return tuple(params + [_constexpr("PDL", "pdl")])
+
+    @property
+    def reduce_params(self) -> tuple[KernelParam, ...]:
+        """_decode_reduce_kernel's parameters and _reduce's launch arguments for it: the splits' scratch, the
+        output, the lengths (and the output rotation's signs); then the constexprs."""
+        params = [_positional("partial_out_ptr", "partial"), _positional("partial_max_ptr", "partial_max"),
+                  _positional("partial_sum_ptr", "partial_sum"), _positional("out_ptr", "out"),
+                  _positional("seq_lens_ptr", "seq_lens")]
+        if self.rotates_output:
+            params.append(_positional("value_matrix_ptr", "value_matrix"))
+        return tuple(params + [_positional("num_splits", "num_splits"),
+                               _constexpr("NUM_Q_HEADS", "num_q_heads"), _constexpr("SPLIT_CHUNK", "split_chunk"),
+                               _constexpr("SPLITS_PAD", "_pow2(num_splits)"), _constexpr("HEAD_DIM", "head_dim"),
+                               _constexpr("PDL", "pdl")])
 
     @property
     def window_decode_params(self) -> tuple[KernelParam, ...]:

@@ -18,7 +18,8 @@ import tokenize
 LIMIT = 120
 _OPEN, _CLOSE = "([{", ")]}"
 # Binary operators from the loosest binding, the ones a line is broken before (inside parentheses).
-_PRECEDENCE = (("or",), ("and",), ("<", "<=", ">", ">=", "==", "!="), ("|",), ("^",), ("&",), ("+", "-"))
+_PRECEDENCE = (("or",), ("and",), ("<", "<=", ">", ">=", "==", "!="), ("|",), ("^",), ("&",), ("+", "-"),
+               ("*", "/", "//", "%", "@"))
 _OPERATORS = {op for group in _PRECEDENCE for op in group}
 
 
@@ -103,7 +104,9 @@ def _statement(line: str, limit: int, depth: int = 0, inside: bool = False) -> l
     if tokens and tokens[-1].type == tokenize.COMMENT:  # a trailing comment goes above the statement
         comment = tokens[-1]
         head = code[: comment.start[1]].rstrip()
-        return _comment(indent + comment.string, limit) + _statement(indent + head, limit, depth, inside)
+        statement = indent + head
+        above = _comment(indent + comment.string, limit)
+        return above + ([statement] if len(statement) <= limit else _statement(statement, limit, depth, inside))
     pieces = _split(code, tokens, inside, limit - len(indent))
     if pieces is None or depth > 12:
         return [line]
@@ -122,21 +125,31 @@ def _split(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width: int
             if not code.rstrip().endswith(","):
                 items[-1] = items[-1][:-1]
             return [(0, item) for item in items]
-    pairs = _bracket_pairs(tokens)
-    if pairs:
-        # The widest bracket holds most of the line: one item a line inside it.
-        (a, b) = max(pairs, key=lambda p: tokens[p[1]].start[1] - tokens[p[0]].end[1])
-        body_start, body_end = tokens[a].end[1], tokens[b].start[1]
-        body = code[body_start:body_end].strip()
-        if len(body) > 40:
-            items = _items(code, tokens[a + 1 : b])
-            head, tail = code[:body_start], code[body_end:]
-            if items is not None:
-                return [(0, head), *((1, item) for item in items), (0, tail)]
+    bracket = _widest_bracket(code, tokens)
+    if bracket is not None and bracket[0] > 40:
+        return bracket[1]
     broken = _operators(code, tokens, inside, width)
     if broken is not None:
         return broken
-    return _string(code, tokens, inside)
+    broken = _string(code, tokens, inside)
+    if broken is None and bracket is not None and bracket[0] and len(code) > width:  # a call chain: its widest bracket
+        return bracket[1]
+    return broken
+
+
+def _widest_bracket(code: str, tokens: list[tokenize.TokenInfo]) -> tuple[int, list[tuple[int, str]]] | None:
+    """The widest bracket's body length, and the statement broken inside it (one item a line); None where no
+    bracket at depth 0 has items."""
+    pairs = _bracket_pairs(tokens)
+    if not pairs:
+        return None
+    (a, b) = max(pairs, key=lambda p: tokens[p[1]].start[1] - tokens[p[0]].end[1])
+    body_start, body_end = tokens[a].end[1], tokens[b].start[1]
+    items = _items(code, tokens[a + 1 : b])
+    if items is None:
+        return None
+    head, tail = code[:body_start], code[body_end:]
+    return len(code[body_start:body_end].strip()), [(0, head), *((1, item) for item in items), (0, tail)]
 
 
 def _bracket_pairs(tokens: list[tokenize.TokenInfo]) -> list[tuple[int, int]]:

@@ -374,6 +374,22 @@ class SideLayout:
             places.append((f"{self.name}_bytes_{i}_{c % ranges}", c // ranges * plane.width))
         return self._gathered(places)
 
+    @property
+    def pair_loads(self) -> tuple[tuple[str, str], ...]:
+        """A pairs side's code loads (SideLayout.pairs), each (variable, its columns' offset in the row's bytes): the
+        narrowest plane's chunk bytes twice over (`<side>_pair_0`), then each wider plane's byte runs j of two
+        chunks (`<side>_pair_<plane>_<j>`)."""
+        out = []
+        for i, plane in enumerate(self.planes):
+            at = f" + {self.plane_offsets_expr[i]}" if self.plane_offsets_expr[i] != "0" else ""
+            if i == 0:
+                out.append((f"{self.name}_pair_0", f"{at} + ({self.name}_pair % {self.name.upper()}_CHUNK)[None, :]"))
+                continue
+            for j in range(self.ranges(plane) // 2):
+                run = f" + {j} * 2 * {self.name.upper()}_CHUNK" if j else ""
+                out.append((f"{self.name}_pair_{i}_{j}", f"{at}{run} + {self.name}_pair[None, :]"))
+        return tuple(out)
+
     def pair_fields(self, k: int) -> tuple[tuple[str, int], ...]:
         """Pair k's loads (SideLayout.pairs) and the bit offset of its field in each, per plane: the narrowest
         plane's bytes twice over (`<side>_pair_0`, at the lower chunk's field), every other plane's byte run j."""
@@ -685,6 +701,16 @@ class SideLayout:
     def unit(self, head_dim: int) -> int:
         """Columns of one group_dots tile at head_dim: the scale group, or the chunk where a group spans chunks."""
         return min(self.group_size, self.part_dim(head_dim) // self.chunks)
+
+    def unit_loads(self, head_dim: int) -> tuple[tuple[str, int], ...]:
+        """group_dots' code loads at head_dim, each (variable `<side>_bytes_<plane>_<run>`, its first byte in the
+        row): every plane's bytes in runs of unit(d)."""
+        w, out, offset = self.unit(head_dim), [], 0
+        for p, plane in enumerate(self.planes):
+            plane_bytes = head_dim * plane.width // 8
+            out += [(f"{self.name}_bytes_{p}_{j}", offset + j * w) for j in range(plane_bytes // w)]
+            offset += plane_bytes
+        return tuple(out)
 
     def units(self, head_dim: int) -> list[dict]:
         """group_dots' tiles at head_dim, in position order: each one's scale group and, per plane, the byte run

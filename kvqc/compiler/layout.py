@@ -375,6 +375,17 @@ class SideLayout:
         return self._gathered(places)
 
     @property
+    def acc_tiles(self) -> tuple[str, ...]:
+        """The suffixes of a V side's decode accumulators `acc_<tag><suffix>` (QJL's aside): chunk c; or `<c>_<b>`,
+        byte b of chunk c's words where V is read as words (in the order the word helpers return their tiles); or
+        `p<k>`, chunks 2k and 2k + 1, where it is read in pairs."""
+        if self.word_unpack:
+            return tuple(f"{c}_{b}" for c in range(self.chunks) for b in range(4))
+        if self.pairs:
+            return tuple(f"p{k}" for k in range(self.chunks // 2))
+        return tuple(str(c) for c in range(self.chunks))
+
+    @property
     def pair_loads(self) -> tuple[tuple[str, str], ...]:
         """A pairs side's code loads (SideLayout.pairs), each (variable, its columns' offset in the row's bytes): the
         narrowest plane's chunk bytes twice over (`<side>_pair_0`), then each wider plane's byte runs j of two

@@ -386,6 +386,19 @@ class SideLayout:
         return tuple(str(c) for c in range(self.chunks))
 
     @property
+    def word_fields(self) -> tuple[tuple[str, str], ...]:
+        """V read as words, on the portable path: each accumulator's suffix (acc_tiles) and its codes taken from
+        the 32-bit words `<side>_words` (byte b of chunk c: shifted right by 8 b + width c, masked)."""
+        width = self.planes[0].width
+        out = []
+        for c in range(self.chunks):
+            for b in range(4):
+                shift = 8 * b + width * c
+                words = f"({self.name}_words >> {shift})" if shift else f"{self.name}_words"
+                out.append((f"{c}_{b}", f"{words} & {2 ** width - 1}"))
+        return tuple(out)
+
+    @property
     def pair_loads(self) -> tuple[tuple[str, str], ...]:
         """A pairs side's code loads (SideLayout.pairs), each (variable, its columns' offset in the row's bytes): the
         narrowest plane's chunk bytes twice over (`<side>_pair_0`), then each wider plane's byte runs j of two
@@ -1410,6 +1423,25 @@ class Layout:
     def decode_unpacks(self) -> bool:
         """Some side's decode takes PTX unpacking on compiled CUDA with fp16 queries (FAST_UNPACK)."""
         return any(side.fast_unpack for side in self.sides)
+
+    @property
+    def unpack_helpers(self) -> tuple[str, ...]:
+        """The PTX helpers (kernels/unpack.py.j2) that unpack whole chunks of bytes, by kind (u8, u4, lut2, ...)."""
+        return tuple(side.fast_unpack for side in self.sides
+                     if side.fast_unpack and not side.plane_unpack and not side.word_unpack)
+
+    @property
+    def word_helpers(self) -> tuple[str, ...]:
+        """The PTX helpers that unpack V read as 32-bit words, by kind."""
+        return tuple(side.word_unpack for side in self.sides if side.word_unpack and not side.plane_unpack)
+
+    @property
+    def plane_helpers(self) -> tuple[tuple[str, bool, SideLayout], ...]:
+        """The PTX helpers that gather codes from several bit planes: each (kind, in pairs of chunks, the side whose
+        planes and codebook words it takes), once per kind and form."""
+        by_kind = {side.fast_unpack: side for side in self.sides if side.plane_unpack}
+        forms = dict.fromkeys((side.fast_unpack, side.pairs) for side in self.sides if side.plane_unpack)
+        return tuple((kind, pairs, by_kind[kind]) for kind, pairs in forms)
 
     @property
     def flatten_unpacks(self) -> bool:

@@ -1301,6 +1301,34 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
+@triton.jit
+def _map_query_kernel(query_ptr, key_rotation_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
+                      ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """ROWS query rows in the model's dtype into position order in float32: q @ key_rotation^T, the padding
+    columns of q read as zeros (the rotation's rows are positions, its columns input channels)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    column = tl.arange(0, WIDTH)
+    query = tl.load(query_ptr + row[:, None] * HEAD_DIM + column[None, :],
+                    mask=(row[:, None] < rows) & (column[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    rotation = tl.load(key_rotation_ptr + column[:, None] * WIDTH + column[None, :])
+    mapped = _mm(query, tl.trans(rotation), PRECISION)
+    tl.store(out_ptr + row[:, None] * WIDTH + column[None, :], mapped, mask=row[:, None] < rows)
+
+
+@triton.jit
+def _map_output_kernel(merged_ptr, value_rotation_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
+                       ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """ROWS merged rows in position order (float32) back to the input basis, in the output's dtype:
+    merged @ value_rotation, its first HEAD_DIM columns (the rest is padding)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    column = tl.arange(0, WIDTH)
+    merged = tl.load(merged_ptr + row[:, None] * WIDTH + column[None, :], mask=row[:, None] < rows, other=0.0)
+    rotation = tl.load(value_rotation_ptr + column[:, None] * WIDTH + column[None, :])
+    out = _mm(merged, rotation, PRECISION)
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + column[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(row[:, None] < rows) & (column[None, :] < HEAD_DIM))
+
+
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
 # 80 = 20 * 4 and 96 = 12 * 8 rotate by H_20 (x) H_4 and H_12 (x) H_8 (kvqc/numerics/rotation.py, hadamard_matrix).
 _PALEY = {
@@ -2093,10 +2121,21 @@ def decode(
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
-    q = query.reshape(batch * num_q_heads, head_dim).to(torch.float32)
+    q = query.reshape(batch * num_q_heads, head_dim)  # _map_query_kernel reads it in its own dtype
     width = _pow2(head_dim)  # position space: each chunk padded to a power of two
-    # rotated once, in position order
-    q = torch.nn.functional.pad(q, (0, width - head_dim)) @ tables["key_rotation"].t()
+    mapped = torch.empty(q.shape[0], width, dtype=torch.float32, device=device)
+    _launch_at(
+        launches, ("map_query", *aligned), _map_query_kernel, (_cdiv(q.shape[0], 16),),
+        q,
+        tables["key_rotation"],
+        mapped,
+        q.shape[0],
+        HEAD_DIM=head_dim,
+        WIDTH=width,
+        ROWS=16,
+        PRECISION=_DOT_PRECISION,
+    )
+    q = mapped  # rotated once, in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap
@@ -2158,8 +2197,17 @@ def decode(
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = merged if merging else reduce(partial_out)
-    out = out @ tables["value_rotation"]  # back to the input basis, once
-    out = out[:, :head_dim]
+    rows = batch * num_q_heads
+    if target is not None and target.is_contiguous():
+        mapped = target.view(rows, head_dim)  # the caller's rows, written in place
+    else:
+        mapped = torch.empty(rows, head_dim, dtype=query.dtype, device=device)
+    _launch_at(
+        launches, ("map_output", *aligned, mapped.data_ptr() % 16 == 0), _map_output_kernel, (_cdiv(rows, 16),),
+        out, tables["value_rotation"], mapped, rows, HEAD_DIM=head_dim, WIDTH=out.shape[1], ROWS=16,
+        PRECISION=_DOT_PRECISION,
+    )
+    out = mapped  # back to the input basis, once
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
     if target is None:
         return out

@@ -217,8 +217,12 @@ def _explain(args: argparse.Namespace) -> int:
     else:
         print("           merge: _decode_reduce_kernel, a launch of its own (" + ("QJL's second output" if layout.value.qjl
               else "the window's output is mapped in torch first") + ")")
+    if layout.maps_by_matrix:
+        print("           the padded head: mapped by dense matrices in _map_query_kernel and _map_output_kernel")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
+    elif layout.maps_by_matrix:
+        print("           with a plan: every layer takes the whole call (the mapped vectors are allocated per call)")
     else:
         print("           with a plan: every layer takes the whole call (the wrapper maps vectors in torch)")
     return 0

@@ -1388,6 +1388,14 @@ class Layout:
         return key.fast_unpack if whole and norms and fits and not self.sinks else ""
 
     @property
+    def maps_by_matrix(self) -> bool:
+        """Decode maps a padded head through dense matrices in Triton (`_map_query_kernel`, `_map_output_kernel`):
+        the query into position order before the splits, the merged output back to the input basis after them,
+        where both sides are moved by a matrix and no QJL share of V has to be added first."""
+        return (self.padded and not self.split and self.key.uses_matrix and self.value.uses_matrix
+                and not self.value.qjl)
+
+    @property
     def decode_replays(self) -> bool:
         """A decode call is kernel launches alone, with no torch op on the query, the scratch or the output in
         between: so a plan takes one layer's launches and replays them for the next layers with their own tensors

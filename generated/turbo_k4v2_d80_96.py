@@ -1971,6 +1971,7 @@ class DecodePlan:
     merge: str  # which kernel merges the splits: "split", "window" (Layout.decode_merge) or "reduce" (its own launch)
     scratch: dict
     launches: dict  # launch site -> (compiled kernel, its constexprs), filled by the first layer
+    replays: dict  # (alignments, scale) -> the _Replay of a layer's launches, or None where one cannot replay
 
 
 def _cache_tensors(cache: KVCache) -> tuple:
@@ -2033,6 +2034,8 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     rows = batch * num_q_heads
     scratch = {}
     scratch["partial_out"] = torch.empty(rows, num_splits, _pow2(head_dim), dtype=torch.float32, device=device)
+    scratch["mapped_query"] = torch.empty(rows, _pow2(head_dim), dtype=torch.float32, device=device)  # position order
+    scratch["merged"] = torch.empty_like(scratch["mapped_query"])  # the merged output, in position order
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
     # A kernel decode launches anyway merges the splits where that is short: its program per (sequence, KV head)
@@ -2051,6 +2054,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
         merge=merge,
         scratch=scratch,
         launches={},
+        replays={},
     )
 
 
@@ -2093,12 +2097,17 @@ def decode(
     output rows), written and returned instead of a new tensor; contiguous, the kernels write it directly.
     """
     _check_cache(cache)
+    if plan is not None:
+        result = _replayed(plan, query, cache, block_tables, seq_lens, scale, out)
+        if result is not None:
+            return result
     device = cache.device
     _check_tensor("query", query, device, _FLOAT_DTYPES, ("batch", "num_q_heads", cache.head_dim))
     scale = _check_scale(scale, cache.head_dim)
     if out is not None:
         _check_tensor("out", out, device, (query.dtype,), tuple(query.shape))
     target = out  # the steps below name their output `out`
+    keeps = plan is not None  # the caller's plan, which later layers use
     if plan is None:
         if (
             isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
@@ -2120,10 +2129,18 @@ def decode(
     tables = _tables(head_dim, device)
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
+    query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
     aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
+    # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
+    replay = (aligned, scale)
+    taking = keeps and replay not in plan.replays
+    if taking:
+        launches[_TAKEN] = []
+    else:
+        launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # _map_query_kernel reads it in its own dtype
     width = _pow2(head_dim)  # position space: each chunk padded to a power of two
-    mapped = torch.empty(q.shape[0], width, dtype=torch.float32, device=device)
+    mapped = scratch["mapped_query"]
     _launch_at(
         launches, ("map_query", *aligned), _map_query_kernel, (_cdiv(q.shape[0], 16),),
         q,
@@ -2143,8 +2160,8 @@ def decode(
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     merging, merged = plan.merge != "reduce", partial_out  # a kernel that merges (MERGE) writes `merged`
-    if merging:  # in position order, for the wrapper to map
-        merged = torch.empty(batch * num_q_heads, partial_out.shape[2], dtype=torch.float32, device=device)
+    if merging:  # in position order, for _map_output_kernel
+        merged = scratch["merged"]
     _launch_at(
         launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits),
         q,
@@ -2196,7 +2213,7 @@ def decode(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
-    out = merged if merging else reduce(partial_out)
+    out = merged if merging else reduce(partial_out, out=scratch["merged"])
     rows = batch * num_q_heads
     if target is not None and target.is_contiguous():
         mapped = target.view(rows, head_dim)  # the caller's rows, written in place
@@ -2209,17 +2226,63 @@ def decode(
     )
     out = mapped  # back to the input basis, once
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
+    if taking:
+        kept = (block_tables, seq_lens, *scratch.values(), *tables.values())
+        plan.replays[replay] = _Replay.of(launches.pop(_TAKEN), query, _cache_tensors(cache), out, kept)
     if target is None:
         return out
     return target if out.data_ptr() == target.data_ptr() else target.copy_(out)  # the merge wrote it, or not
 
 
+def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_tables, seq_lens, scale, out):
+    """decode by the plan's replay of an earlier layer's launches, or None for decode's full path: where the call
+    is not one the replay serves as it stands (the plan's paging tensors, a query of its shape and dtype on the
+    cache's device, a cache of its shape, tensors aligned and a scale as in the call it took, an `out` it can
+    write)."""
+    if (
+        not isinstance(plan, DecodePlan) or block_tables is not plan.block_tables or seq_lens is not plan.seq_lens
+        or not isinstance(query, torch.Tensor) or query.dtype != plan.dtype
+    ):
+        return None
+    memo = _replay_memo(cache)
+    if memo is None:
+        return None
+    _, geometry, tensors, addresses, aligned = memo
+    shape = (plan.block_tables.shape[0], plan.num_q_heads, geometry[3])
+    if geometry != plan.geometry or query.shape != shape or query.device != geometry[6]:
+        return None
+    if out is not None and not (
+        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == query.dtype and out.device == query.device
+        and out.is_contiguous()
+    ):
+        return None
+    query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
+    return replay(query, tensors, addresses, out) if replay is not None else None
+
+
+def _replay_memo(cache: KVCache) -> "tuple | None":
+    """What a replay reads off a cache, kept beside _check_cache's record of its last full check and worked out
+    again when that record changes (any field, or a tensor's memory or layout): the record, _geometry, the cache
+    tensors, their addresses and whether each is 16-byte aligned (_alignment's). None while the check waits."""
+    state = vars(cache)
+    checked, memo = state.get("_checked"), state.get("_replay")
+    if memo is None or memo[0] is not checked:
+        if checked is None:
+            return None
+        tensors = _cache_tensors(cache)
+        addresses = [t.data_ptr() for t in tensors]
+        memo = state["_replay"] = (checked, _geometry(cache), tensors, addresses, tuple(a % 16 == 0 for a in addresses))
+    return memo
+
+
 def _reduce(
     partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
-    pdl=False, launches=None,
+    pdl=False, launches=None, out=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
+    if out is None:  # else the plan's scratch, which a replay writes again
+        out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
     # A plan's scratch is the same tensors every layer: the site is the partial's own.
     _launch_at(
         launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),

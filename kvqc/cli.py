@@ -221,8 +221,6 @@ def _explain(args: argparse.Namespace) -> int:
         print("           the padded head: mapped by dense matrices in _map_query_kernel and _map_output_kernel")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
-    elif layout.maps_by_matrix:
-        print("           with a plan: every layer takes the whole call (the mapped vectors are allocated per call)")
     else:
         print("           with a plan: every layer takes the whole call (the wrapper maps vectors in torch)")
     return 0

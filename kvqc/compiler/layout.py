@@ -1402,8 +1402,10 @@ class Layout:
         (`_Replay`). A channel split's are (kernels/parts.py.j2 maps its parts; a replay first sees that the
         cache's channel orders are set). Not where the wrapper maps a side in torch (a dense matrix, padding, QJL
         that no kernel maps)
-        or moves the window's output into the rotated basis (a rotated side the kernels do not rotate)."""
-        in_kernels = self.split or not self.key.wrapper_maps and not self.value.wrapper_maps
+        or moves the window's output into the rotated basis (a rotated side the kernels do not rotate). A padded
+        head mapped by dense matrices (maps_by_matrix) keeps its mapped vectors in the plan's scratch."""
+        mapped = self.maps_by_matrix and not self.key.qjl  # a padded head's maps in Triton, without S q in torch
+        in_kernels = self.split or mapped or not self.key.wrapper_maps and not self.value.wrapper_maps
         return in_kernels and not (self.window and self.value.uses_matrix and not self.rotates_output)
 
     # The most partial rows (query heads per KV head x splits) that decode_merge's kernel merges for its (sequence,

@@ -751,6 +751,21 @@ class SideLayout:
             out.append({"group": first // self.group_size, "planes": planes})
         return out
 
+    def unit_unpack(self, head_dim: int, unit: dict, u: int) -> str:
+        """group_dots' PTX line for unit u (an item of `units`) at head_dim: the helper's call into `tile_<u>`; for
+        u4, whose call makes a byte's two tiles at once, the second unit's line says which made it."""
+        kind, name = self.fast_unpack, self.name
+        if kind in ("u4", "u8"):
+            place, w = unit["planes"][0], self.unit(head_dim)
+            if place["field"]:
+                return f"pass  # made with tile_{u - head_dim // 2 // w}"
+            if kind == "u4":
+                return f"tile_{u}, tile_{u + head_dim // 2 // w} = _unpack_u4({name}_bytes_0_{place['window']})"
+            return f"tile_{u} = _unpack_u8({name}_bytes_0_{place['window']})"
+        loads = "".join(f"{name}_bytes_{i}_{place['window']}, " for i, place in enumerate(unit["planes"]))
+        fields = ", ".join(str(place["field"] * plane.width) for place, plane in zip(unit["planes"], self.planes))
+        return f"tile_{u} = _unpack_{kind}({loads}{fields})"
+
     @property
     def code_centre(self) -> int:
         """What the uniform PTX helpers subtract from a code (2**(bits-1)): decode adds the difference from the

@@ -1403,6 +1403,18 @@ class Layout:
         return key.fast_unpack if whole and norms and fits and not self.sinks else ""
 
     @property
+    def kernel_files(self) -> tuple[str, ...]:
+        """The kernel templates a module carries, in order: fill, flatten, decode and the merge always; the dense
+        maps of a padded head, a channel split's part kernels, the Gluon decode and a window's kernels where the
+        layout has them."""
+        files = ["kernels/fill.py.j2", "kernels/flatten.py.j2", "kernels/decode.py.j2", "kernels/merge.py.j2"]
+        for wanted, name in ((self.maps_by_matrix, "maps"), (self.split, "parts"), (self.gluon_decode, "decode_gluon"),
+                             (self.window, "window")):
+            if wanted:
+                files.append(f"kernels/{name}.py.j2")
+        return tuple(files)
+
+    @property
     def maps_by_matrix(self) -> bool:
         """Decode maps a padded head through dense matrices in Triton (`_map_query_kernel`, `_map_output_kernel`):
         the query into position order before the splits, the merged output back to the input basis after them,

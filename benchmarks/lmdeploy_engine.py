@@ -79,7 +79,7 @@ SEED = 0
 # fill and flatten files (and FA3's, where installed).
 KERNEL_CATEGORIES = {
     "kvqc attention": r"_(decode_kernel|decode_reduce_kernel|rotate_query_kernel|window_decode_kernel|"
-                      r"query_parts_kernel|merge_parts_kernel)",
+                      r"query_parts_kernel|merge_parts_kernel|map_query_kernel|map_output_kernel)",
     "kvqc fill": r"_(fill_kernel|slot_mapping_kernel|hadamard_kernel|window_store_kernel|key_group_kernel|"
                  r"flatten_kernel)",
     "lmdeploy attention": r"_(fill_kv_cache|fill_page_quant|flatten_kv_cache|fwd_grouped_split|reduce_split|"

@@ -10,18 +10,20 @@ from kvqc.compiler.codegen import render
 from kvqc.compiler.spec import load_scheme
 
 
-def test_no_unused_or_undefined_names():
-    paths = ["kvqc", "tests", "benchmarks", "generated"]
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--output-format", "concise", *paths],
-                         cwd=ROOT, capture_output=True, text=True)
+def ruff(*args: str) -> None:
+    """`ruff check` from the repository's root with these rules and paths; fails with its findings."""
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", *args], cwd=ROOT,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_no_unused_or_undefined_names():
+    ruff("--select", "F", "kvqc", "tests", "benchmarks", "generated")
 
 
 def test_generated_lines_fit_120_columns():
     """Modules are wrapped at render time (kvqc/compiler/wrap.py), so templates keep one statement a line."""
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "E501", "--line-length", "120",
-                          "--output-format", "concise", "generated"], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr
+    ruff("--select", "E501", "--line-length", "120", "generated")
 
 
 def test_every_test_scheme_renders_lint_clean(tmp_path):
@@ -32,9 +34,7 @@ def test_every_test_scheme_renders_lint_clean(tmp_path):
     assert len(schemes) > 10
     for path in schemes:
         (tmp_path / f"{path.stem}.py").write_text(render(load_scheme(path)), encoding="utf-8")
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F,E501", "--line-length", "120",
-                          "--output-format", "concise", "--no-cache", str(tmp_path)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr
+    ruff("--select", "F,E501", "--line-length", "120", "--no-cache", str(tmp_path))
 
 
 def test_templates_stay_short():

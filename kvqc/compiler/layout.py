@@ -1653,10 +1653,7 @@ class Layout:
             _constexpr("GROUP_PAD", "max(16, _pow2(group))"),
             _constexpr("HEAD_DIM", "head_dim"),
         ]
-        if self.padded:
-            params.append(_constexpr("HEAD_PAD", "width"))
-        if split:
-            params.append(self._part_widths("head_dim"))
+        params += self._widths("head_dim", pad="width")
         params += [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
@@ -1673,14 +1670,6 @@ class Layout:
         if self.fuses_query_rotation:
             params.append(_constexpr("ROTATE", "_ROTATE_IN_DECODE"))
         return tuple(params + [_constexpr("PDL", "pdl")])
-
-    def _part_widths_params(self) -> list[KernelParam]:
-        """The split kernels' width constexprs at decode's `head_dim`: the head, its power-of-two pad where padded,
-        every part's widths and offsets."""
-        widths = [_constexpr("HEAD_DIM", "head_dim")]
-        if self.padded:
-            widths.append(_constexpr("HEAD_PAD", "_pow2(head_dim)"))
-        return widths + [self._part_widths("head_dim")]
 
     @property
     def query_parts_params(self) -> tuple[KernelParam, ...]:
@@ -1701,7 +1690,7 @@ class Layout:
         params.append(_positional("rows", "rows"))
         if "key" in self.split_bases:
             params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group")]
-        return tuple(params + self._part_widths_params() + [
+        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim") + [
             _constexpr("ROWS", "16"), _constexpr("DOT_PRECISION", "_DOT_PRECISION"), _constexpr("PDL", "pdl")])
 
     @property
@@ -1724,7 +1713,7 @@ class Layout:
                    _positional("num_splits", "num_splits"), _constexpr("NUM_Q_HEADS", "num_q_heads")]
         if "value" in self.split_bases:
             params.append(_constexpr("GROUP", "group"))
-        return tuple(params + self._part_widths_params() + [
+        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim") + [
             _constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("SPLITS_PAD", "_pow2(num_splits)"),
             _constexpr("PDL", "pdl")])
 
@@ -1800,12 +1789,12 @@ class Layout:
             params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]
         return tuple(params)
 
-    def _widths(self) -> list[KernelParam]:
-        """fill's and flatten's constexprs for the widths besides HEAD_DIM: the power-of-two width of a padded head,
-        then each split part's widths and offsets."""
-        widths = [_constexpr("HEAD_PAD", "_pow2(cache.head_dim)")] if self.padded else []
+    def _widths(self, head_dim: str, pad: str = "") -> list[KernelParam]:
+        """The constexprs for the widths besides HEAD_DIM at the wrapper's `head_dim`: the power-of-two width of a
+        padded head (`pad` where the wrapper has it at hand), then each split part's widths and offsets."""
+        widths = [_constexpr("HEAD_PAD", pad or f"_pow2({head_dim})")] if self.padded else []
         if self.split:
-            widths.append(self._part_widths("cache.head_dim"))
+            widths.append(self._part_widths(head_dim))
         return widths
 
     def _part_widths(self, head_dim: str) -> KernelParam:
@@ -1833,7 +1822,7 @@ class Layout:
         params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
                    _ROW_STRIDES,
                    _constexpr("HEAD_DIM", "cache.head_dim")]
-        params += self._widths() + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
+        params += self._widths("cache.head_dim") + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FILL_IN_BLOCK")))
         params.append(_constexpr("DOT_PRECISION", "_DOT_PRECISION"))
@@ -1865,7 +1854,7 @@ class Layout:
                    _positional("max_blocks_per_seq", "block_tables.shape[1]"), _positional("out_rows", "key.shape[0]"),
                    _positional("stride_out_token", "key.stride(0)"), _positional("stride_out_head", "key.stride(1)"),
                    _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("HEAD_DIM", "cache.head_dim")]
-        params += self._widths() + [
+        params += self._widths("cache.head_dim") + [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
             _constexpr("BLOCK_T", "_FLATTEN_BLOCK_T")]

@@ -2214,14 +2214,10 @@ def decode(
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
     out = merged if merging else reduce(partial_out, out=scratch["merged"])
-    rows = batch * num_q_heads
-    if target is not None and target.is_contiguous():
-        mapped = target.view(rows, head_dim)  # the caller's rows, written in place
-    else:
-        mapped = torch.empty(rows, head_dim, dtype=query.dtype, device=device)
+    mapped = target if target is not None and target.is_contiguous() else torch.empty_like(query)
     _launch_at(
-        launches, ("map_output", *aligned, mapped.data_ptr() % 16 == 0), _map_output_kernel, (_cdiv(rows, 16),),
-        out, tables["value_rotation"], mapped, rows, HEAD_DIM=head_dim, WIDTH=out.shape[1], ROWS=16,
+        launches, ("map_output", *aligned, mapped.data_ptr() % 16 == 0), _map_output_kernel, (_cdiv(out.shape[0], 16),),
+        out, tables["value_rotation"], mapped, out.shape[0], HEAD_DIM=head_dim, WIDTH=out.shape[1], ROWS=16,
         PRECISION=_DOT_PRECISION,
     )
     out = mapped  # back to the input basis, once

@@ -157,7 +157,7 @@ def _fill_kernel(
         other=0.0,
     )
     value_input_1 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
         + value_chunk[None, :],
         mask=valid[:, None],
         other=0.0,
@@ -213,7 +213,7 @@ def _fill_kernel(
         )
 
         code_1 = tl.reshape(code, [BLOCK_T, VALUE_CHUNK])
-        group = 1 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
+        group = VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
         tl.store(
             value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
             scale.to(value_meta_ptr.dtype.element_ty),
@@ -290,7 +290,7 @@ def _fill_kernel(
 
     packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
     tl.store(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
+        value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
         packed.to(tl.uint8),
         mask=valid[:, None],
     )
@@ -361,13 +361,13 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
             mask=valid[:, None],
             other=0,
         ).to(tl.int32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + value_chunk[None, :],
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
             mask=valid[:, None],
             other=0,
         ).to(tl.int32)
@@ -405,7 +405,7 @@ def _flatten_kernel(
         level = code.to(tl.float32)
 
         first = row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE
-        index = (1 * KEY_CHUNK + key_chunk[None, :]) * 2
+        index = (KEY_CHUNK + key_chunk[None, :]) * 2
         scale = tl.load(
             key_meta_ptr + (
                 first[:, None] + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -413,7 +413,7 @@ def _flatten_kernel(
             mask=valid[:, None],
             other=0.0,
         ).to(tl.float32)
-        index = (1 * KEY_CHUNK + key_chunk[None, :]) * 2 + 1
+        index = (KEY_CHUNK + key_chunk[None, :]) * 2 + 1
         zero = tl.load(
             key_meta_ptr + (
                 first[:, None] + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -495,14 +495,14 @@ def _flatten_kernel(
         tile_1 = tl.where(
             recent[:, None],
             tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
                 mask=recent[:, None],
                 other=0.0,
             ).to(tl.float32),
             tile_1,
         )
         tl.store(
-            key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
+            key_out_ptr + out_at[:, None] + KEY_CHUNK + key_chunk[None, :],
             tile_1.to(key_out_ptr.dtype.element_ty),
             mask=written[:, None],
         )
@@ -575,7 +575,7 @@ def _flatten_kernel(
         level = code.to(tl.float32)
 
         if VALUE_GROUPS > 0:  # head_dim 128, 256: groups inside the chunk
-            group = 1 * VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
+            group = VALUE_GROUPS + tl.arange(0, VALUE_GROUPS)
             scale = tl.load(
                 value_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
                 mask=valid[:, None],
@@ -686,14 +686,14 @@ def _flatten_kernel(
         tile_1 = tl.where(
             recent[:, None],
             tl.load(
-                value_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
+                value_window_ptr + ring_row[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
                 mask=recent[:, None],
                 other=0.0,
             ).to(tl.float32),
             tile_1,
         )
         tl.store(
-            value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
+            value_out_ptr + out_at[:, None] + VALUE_CHUNK + value_chunk[None, :],
             tile_1.to(value_out_ptr.dtype.element_ty),
             mask=written[:, None],
         )
@@ -821,7 +821,7 @@ def _decode_kernel(
     ).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+        query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
         mask=q_valid[:, None],
         other=0.0,
     ).to(tl.float32)
@@ -909,7 +909,7 @@ def _decode_kernel(
         mask=(key_chunk >= 0) & (key_first >= 0),
         other=0.0,
     )
-    index = (1 * KEY_CHUNK + key_chunk) * 2
+    index = (KEY_CHUNK + key_chunk) * 2
     key_scale_1_raw = tl.load(
         key_meta_ptr + (
             key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -917,7 +917,7 @@ def _decode_kernel(
         mask=(key_chunk >= 0) & (key_first >= 0),
         other=0.0,
     )
-    index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+    index = (KEY_CHUNK + key_chunk) * 2 + 1
     key_zero_1_raw = tl.load(
         key_meta_ptr + (
             key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -958,7 +958,7 @@ def _decode_kernel(
         other=0.0,
     )
 
-    value_scale_0_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 0, mask=valid, other=0.0)
+    value_scale_0_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2), mask=valid, other=0.0)
     value_zero_0_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 1, mask=valid, other=0.0)
     value_scale_1_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 2, mask=valid, other=0.0)
     value_zero_1_raw = tl.load(value_meta_ptr + row * (HEAD_DIM // 32 * 2) + 3, mask=valid, other=0.0)
@@ -1017,7 +1017,7 @@ def _decode_kernel(
                 mask=(key_chunk >= 0) & (key_first_next >= 0),
                 other=0.0,
             )
-            index = (1 * KEY_CHUNK + key_chunk) * 2
+            index = (KEY_CHUNK + key_chunk) * 2
             key_scale_1_next = tl.load(
                 key_meta_ptr + (
                     key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -1025,7 +1025,7 @@ def _decode_kernel(
                 mask=(key_chunk >= 0) & (key_first_next >= 0),
                 other=0.0,
             )
-            index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+            index = (KEY_CHUNK + key_chunk) * 2 + 1
             key_zero_1_next = tl.load(
                 key_meta_ptr + (
                     key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -1066,11 +1066,7 @@ def _decode_kernel(
                 other=0.0,
             )
 
-            value_scale_0_next = tl.load(
-                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 0,
-                mask=valid_next,
-                other=0.0,
-            )
+            value_scale_0_next = tl.load(value_meta_ptr + row_next * (HEAD_DIM // 32 * 2), mask=valid_next, other=0.0)
             value_zero_0_next = tl.load(
                 value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 1,
                 mask=valid_next,
@@ -1162,7 +1158,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
             )
@@ -1261,7 +1257,7 @@ def _decode_kernel(
             # wrapper]
             if HEAD_DIM == 64:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 16 + 0 + tl.arange(0, 16)[None, :],
+                    value_codes_ptr + row[:, None] * 16 + tl.arange(0, 16)[None, :],
                     mask=valid[:, None],
                     other=0,
                 )
@@ -1299,7 +1295,7 @@ def _decode_kernel(
                 acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
             elif HEAD_DIM == 128:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 32 + 0 + tl.arange(0, 32)[None, :],
+                    value_codes_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
                     other=0,
                 )
@@ -1345,7 +1341,7 @@ def _decode_kernel(
                 acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
             elif HEAD_DIM == 256:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 64 + 0 + tl.arange(0, 32)[None, :],
+                    value_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :],
                     mask=valid[:, None],
                     other=0,
                 )
@@ -1473,7 +1469,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     if HEAD_DIM == 64:
         tl.store(
-            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 16)[None, :],
+            partial_out_ptr + part[:, None] * HEAD_DIM + tl.arange(0, 16)[None, :],
             acc_u0 + acc_shift_0[:, None],
             mask=q_valid[:, None],
         )
@@ -1494,7 +1490,7 @@ def _decode_kernel(
         )
     elif HEAD_DIM == 128:
         tl.store(
-            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            partial_out_ptr + part[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
             acc_u0 + acc_shift_0[:, None],
             mask=q_valid[:, None],
         )
@@ -1515,7 +1511,7 @@ def _decode_kernel(
         )
     elif HEAD_DIM == 256:
         tl.store(
-            partial_out_ptr + part[:, None] * HEAD_DIM + 0 + tl.arange(0, 32)[None, :],
+            partial_out_ptr + part[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
             acc_u0 + acc_shift_0[:, None],
             mask=q_valid[:, None],
         )
@@ -1802,7 +1798,7 @@ def _key_group_kernel(
         )
         packed_0_0 = code_0 & 3
 
-        column = 1 * KEY_CHUNK + key_chunk[None, :]
+        column = KEY_CHUNK + key_chunk[None, :]
         x = tl.load(
             key_ptr + source[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + column,
             mask=fresh[:, None],
@@ -1821,12 +1817,12 @@ def _key_group_kernel(
         code_1 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
         # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-        index = (1 * KEY_CHUNK + key_chunk) * 2
+        index = (KEY_CHUNK + key_chunk) * 2
         tl.store(
             key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
             scale.to(key_meta_ptr.dtype.element_ty),
         )
-        index = (1 * KEY_CHUNK + key_chunk) * 2 + 1
+        index = (KEY_CHUNK + key_chunk) * 2 + 1
         tl.store(
             key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
             zero.to(key_meta_ptr.dtype.element_ty),
@@ -1895,7 +1891,7 @@ def _key_group_kernel(
         )
         packed_0_0 |= (code_3 & 3) << 6
         tl.store(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 2 // 8) + key_chunk[None, :],
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
             packed_0_0.to(tl.uint8),
             mask=stored[:, None],
         )
@@ -2235,9 +2231,9 @@ class KVCache(_PagedCache):
     """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
     [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
-    key_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
+    key_codes: uint8, last dim head_dim / 4 (bit planes 2, split packing)
     key_meta:  model dtype, last dim 2: scale, zero
-    value_codes: uint8, last dim head_dim * 2 / 8 (bit planes 2, split packing)
+    value_codes: uint8, last dim head_dim / 4 (bit planes 2, split packing)
     value_meta:  model dtype, last dim 2 * head_dim / 32: scale, zero per group of 32 channels
     key_window, value_window: model dtype [max_seqs, WINDOW, num_kv_heads, head_dim]: each sequence's last
         WINDOW = 128 tokens as given (slot position % WINDOW), in the row its window_index names
@@ -2964,8 +2960,8 @@ def _reduce(
 def _dependent_launch(device: torch.device) -> bool:
     """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
     interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
-    waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
-    0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
+    waits for it (griddepcontrol.wait) before its first load: on an H100 a one-sequence CUDA-graph decode call
+    is 2-5% shorter, a batch of 8 x 32k tokens within 0.3%."""
     return device.type == "cuda" and _COMPILED_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
 
 

@@ -245,7 +245,7 @@ def _fill_kernel(
             other=0.0,
         )
         key_input_1 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 1 * KEY_CHUNK
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_CHUNK
             + key_chunk[None, :],
             mask=valid[:, None],
             other=0.0,
@@ -296,7 +296,7 @@ def _fill_kernel(
         if key_ptr.dtype.element_ty == tl.float16:
             # fp16 rows times +-1 are exact products as they stand: one dot.
             x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
-            x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk)[None, :], key_hadamard)
             x_2 = tl.dot(key_input_2 * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
             x_3 = tl.dot(key_input_3 * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
             x_4 = tl.dot(key_input_4 * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
@@ -307,9 +307,7 @@ def _fill_kernel(
         else:
             # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
             x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-            x_1 = key_input_1.to(tl.float32) * tl.load(
-                key_matrix_ptr + 1 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
+            x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
             x_2 = key_input_2.to(tl.float32) * tl.load(
                 key_matrix_ptr + 2 * KEY_CHUNK + key_chunk
             ).to(tl.float32)[None, :]
@@ -464,12 +462,12 @@ def _fill_kernel(
             | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :],
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 8) + key_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
 
-        tl.store(key_meta_ptr + row * 1 + 0, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
+        tl.store(key_meta_ptr + row, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
         # value
         value_input_0 = tl.load(
@@ -479,7 +477,7 @@ def _fill_kernel(
             other=0.0,
         )
         value_input_1 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 1 * VALUE_CHUNK
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
             + value_chunk[None, :],
             mask=valid[:, None],
             other=0.0,
@@ -530,10 +528,7 @@ def _fill_kernel(
         if value_ptr.dtype.element_ty == tl.float16:
             # fp16 rows times +-1 are exact products as they stand: one dot.
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
-            x_1 = tl.dot(
-                value_input_1 * tl.load(value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
-            )
+            x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
                 value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
                 value_hadamard,
@@ -563,7 +558,7 @@ def _fill_kernel(
             # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
             x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
             x_1 = value_input_1.to(tl.float32) * tl.load(
-                value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk
+                value_matrix_ptr + VALUE_CHUNK + value_chunk
             ).to(tl.float32)[None, :]
             x_2 = value_input_2.to(tl.float32) * tl.load(
                 value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
@@ -719,12 +714,12 @@ def _fill_kernel(
             | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
         )
         tl.store(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :],
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 8) + value_chunk[None, :],
             packed.to(tl.uint8),
             mask=valid[:, None],
         )
 
-        tl.store(value_meta_ptr + row * 1 + 0, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
+        tl.store(value_meta_ptr + row, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -796,23 +791,23 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :],
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 8) + key_chunk[None, :],
             mask=valid[:, None],
             other=0,
         ).to(tl.int32)
 
-        key_norm = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        key_norm = tl.load(key_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + value_chunk[None, :],
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 8) + value_chunk[None, :],
             mask=valid[:, None],
             other=0,
         ).to(tl.int32)
 
-        value_norm = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0).to(tl.float32)
+        value_norm = tl.load(value_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
 
         # key
-        key_c0 = tl.load(key_centroids_ptr + 0)
+        key_c0 = tl.load(key_centroids_ptr)
         key_c1 = tl.load(key_centroids_ptr + 1)
 
         code = key_bytes_0_0 & 1
@@ -980,7 +975,7 @@ def _flatten_kernel(
 
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
         tile_0 = tile_0 * largest[:, None] * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + 1 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        tile_1 = tile_1 * largest[:, None] * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
         tile_2 = tile_2 * largest[:, None] * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
         tile_3 = tile_3 * largest[:, None] * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
         tile_4 = tile_4 * largest[:, None] * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
@@ -1005,14 +1000,14 @@ def _flatten_kernel(
         tile_1 = tl.where(
             recent[:, None],
             tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
                 mask=recent[:, None],
                 other=0.0,
             ).to(tl.float32),
             tile_1,
         )
         tl.store(
-            key_out_ptr + out_at[:, None] + 1 * KEY_CHUNK + key_chunk[None, :],
+            key_out_ptr + out_at[:, None] + KEY_CHUNK + key_chunk[None, :],
             tile_1.to(key_out_ptr.dtype.element_ty),
             mask=written[:, None],
         )
@@ -1102,7 +1097,7 @@ def _flatten_kernel(
         )
 
         # value
-        value_c0 = tl.load(value_centroids_ptr + 0)
+        value_c0 = tl.load(value_centroids_ptr)
         value_c1 = tl.load(value_centroids_ptr + 1)
 
         code = value_bytes_0_0 & 1
@@ -1271,7 +1266,7 @@ def _flatten_kernel(
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
         tile_0 = tile_0 * largest[:, None] * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
         tile_1 = tile_1 * largest[:, None] * tl.load(
-            value_matrix_ptr + 1 * VALUE_CHUNK + value_chunk
+            value_matrix_ptr + VALUE_CHUNK + value_chunk
         ).to(tl.float32)[None, :]
         tile_2 = tile_2 * largest[:, None] * tl.load(
             value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
@@ -1309,14 +1304,14 @@ def _flatten_kernel(
         tile_1 = tl.where(
             recent[:, None],
             tl.load(
-                value_window_ptr + ring_row[:, None] * HEAD_DIM + 1 * VALUE_CHUNK + value_chunk[None, :],
+                value_window_ptr + ring_row[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
                 mask=recent[:, None],
                 other=0.0,
             ).to(tl.float32),
             tile_1,
         )
         tl.store(
-            value_out_ptr + out_at[:, None] + 1 * VALUE_CHUNK + value_chunk[None, :],
+            value_out_ptr + out_at[:, None] + VALUE_CHUNK + value_chunk[None, :],
             tile_1.to(value_out_ptr.dtype.element_ty),
             mask=written[:, None],
         )
@@ -1552,7 +1547,7 @@ def _decode_kernel(
             rotated_0 = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, rotated_0)
         rotated_1 = tl.zeros([GROUP_PAD, KEY_CHUNK], tl.float32)
         for k in tl.static_range(KEY_CHUNK // ROT):
-            column = 1 * KEY_CHUNK + k * ROT + rot
+            column = KEY_CHUNK + k * ROT + rot
             x = tl.load(query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=q_valid[:, None], other=0.0)
             x = x.to(tl.float32) * tl.load(key_matrix_ptr + column).to(tl.float32)[None, :]  # the signs: exact
             parity = (k * ROT + rot)[:, None] & key_chunk[None, :]
@@ -1672,7 +1667,7 @@ def _decode_kernel(
             other=0.0,
         )
         rotated_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 1 * KEY_CHUNK + key_chunk[None, :],
+            query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
             mask=q_valid[:, None],
             other=0.0,
         )
@@ -1723,16 +1718,16 @@ def _decode_kernel(
     query_6 = query.to(DOT_DTYPE)
     query = rotated_7
     query_7 = query.to(DOT_DTYPE)
-    key_c0 = tl.load(key_centroids_ptr + 0)
+    key_c0 = tl.load(key_centroids_ptr)
     key_c1 = tl.load(key_centroids_ptr + 1)
 
-    value_c0 = tl.load(value_centroids_ptr + 0)
+    value_c0 = tl.load(value_centroids_ptr)
     value_c1 = tl.load(value_centroids_ptr + 1)
 
     if FAST_UNPACK:
-        key_lut_0 = tl.load(key_lut_ptr + 0)
+        key_lut_0 = tl.load(key_lut_ptr)
 
-        value_lut_0 = tl.load(value_lut_ptr + 0)
+        value_lut_0 = tl.load(value_lut_ptr)
 
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -1761,9 +1756,9 @@ def _decode_kernel(
     row = (
         block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     )
-    key_norm_raw = tl.load(key_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+    key_norm_raw = tl.load(key_meta_ptr + row, mask=valid, other=0.0)
 
-    value_norm_raw = tl.load(value_meta_ptr + row * 1 + 0, mask=valid, other=0.0)
+    value_norm_raw = tl.load(value_meta_ptr + row, mask=valid, other=0.0)
 
     position += BLOCK_N
     block_next = tl.load(
@@ -1780,9 +1775,9 @@ def _decode_kernel(
                 block_next.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE
                 + kv_head * HEAD_STRIDE
             )
-            key_norm_next = tl.load(key_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+            key_norm_next = tl.load(key_meta_ptr + row_next, mask=valid_next, other=0.0)
 
-            value_norm_next = tl.load(value_meta_ptr + row_next * 1 + 0, mask=valid_next, other=0.0)
+            value_norm_next = tl.load(value_meta_ptr + row_next, mask=valid_next, other=0.0)
 
             position += BLOCK_N
             block_next = tl.load(
@@ -1793,7 +1788,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + key_chunk[None, :],
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 8) + key_chunk[None, :],
                 mask=valid[:, None],
                 other=0,
             )
@@ -1888,7 +1883,7 @@ def _decode_kernel(
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
             value_pair_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM * 1 // 8) + (value_pair % VALUE_CHUNK)[None, :],
+                value_codes_ptr + row[:, None] * (HEAD_DIM // 8) + (value_pair % VALUE_CHUNK)[None, :],
                 mask=valid[:, None],
                 other=0,
             )
@@ -1938,7 +1933,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_pair[None, :], acc_p0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + 1 * 2 * VALUE_CHUNK + value_pair[None, :],
+        partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_pair[None, :],
         acc_p1,
         mask=q_valid[:, None],
     )
@@ -2523,9 +2518,9 @@ class KVCache(_PagedCache):
     """One layer's paged cache: [num_blocks, num_kv_heads, block_size, ...] when layout is 'bhsd' (allocate_cache's),
     [num_blocks, block_size, num_kv_heads, ...] when it is 'bshd'. Every tensor below has those first three dims.
 
-    key_codes: uint8, last dim head_dim * 1 / 8 (bit planes 1, split packing)
+    key_codes: uint8, last dim head_dim / 8 (bit planes 1, split packing)
     key_meta:  model dtype, last dim 1: norm
-    value_codes: uint8, last dim head_dim * 1 / 8 (bit planes 1, split packing)
+    value_codes: uint8, last dim head_dim / 8 (bit planes 1, split packing)
     value_meta:  model dtype, last dim 1: norm
     key_window, value_window: model dtype [max_seqs, WINDOW, num_kv_heads, head_dim]: each sequence's last
         WINDOW = 64 tokens as given (slot position % WINDOW), in the row its window_index names
@@ -3267,8 +3262,8 @@ def _reduce(
 def _dependent_launch(device: torch.device) -> bool:
     """Whether decode's kernels take programmatic dependent launch: compiled CUDA on sm_90 or later (the
     interpreter and HIP have no griddepcontrol). Each such kernel may start while the one before it drains and
-    waits for it (griddepcontrol.wait) before its first load. H100, CUDA-graph decode call: 1 x 8k turbo_k4v2
-    0.0155 -> 0.0148 ms, int8_token 0.0165 -> 0.0161; 8 x 32k within 0.3%."""
+    waits for it (griddepcontrol.wait) before its first load: on an H100 a one-sequence CUDA-graph decode call
+    is 2-5% shorter, a batch of 8 x 32k tokens within 0.3%."""
     return device.type == "cuda" and _COMPILED_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
 
 

@@ -20,6 +20,7 @@ import jinja2
 
 from kvqc import __version__
 from kvqc.numerics import rotation
+from kvqc.compiler.fold import fold, folded_tree
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
 from kvqc.compiler.wrap import same_tree, wrap
@@ -39,7 +40,13 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["packed"] = packed
+    env.filters["over"] = over
     return env
+
+
+def over(expr: str, n: int) -> str:
+    """`expr // n` as a person writes it: `expr` alone where n is 1."""
+    return expr if n == 1 else f"{expr} // {n}"
 
 
 def packed(items: list[str], indent: str, width: int = 120) -> str:
@@ -176,7 +183,11 @@ def render(scheme: Scheme) -> str:
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)
     source = re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", source)  # inside a body, one blank line at most
+    rendered = ast.parse(source, f"generated/{scheme.name}.py")
+    source = fold(source)
     tree = ast.parse(source, f"generated/{scheme.name}.py")
+    if not same_tree(folded_tree(rendered), tree):  # unit terms only: a fold that did more would be a kvqc bug
+        raise AssertionError(f"kvqc: folding {scheme.name}'s unit terms changed more than those terms")
     compile(tree, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
     wrapped = wrap(source)
     if not same_tree(tree, wrapped):  # layout only: a wrap that changed the program would be a kvqc bug

@@ -62,6 +62,15 @@ class Plane:
         return 8 // self.width
 
 
+def _bytes_expr(width: str, bits: int) -> str:
+    """The bytes `width` codes of `bits` bits take, as a person writes it ("0", "HEAD_DIM // 4", "HEAD_DIM * 3 // 8")."""
+    if bits == 0:
+        return "0"
+    if bits % 8 == 0:
+        return width if bits == 8 else f"{width} * {bits // 8}"
+    return f"{width} // {8 // bits}" if 8 % bits == 0 else f"{width} * {bits} // 8"
+
+
 @dataclass(frozen=True)
 class SideLayout:
     """The cache format of one of K or V, for every head_dim the scheme supports."""
@@ -222,9 +231,15 @@ class SideLayout:
         """The plane offsets as constexpr expressions of HEAD_DIM (the part's width), for the kernels."""
         out, bits = [], 0
         for plane in self.planes:
-            out.append(f"{self.dim} * {bits} // 8" if bits else "0")
+            out.append(_bytes_expr(self.dim, bits))
             bits += plane.width
         return tuple(out)
+
+    @property
+    def code_row_bytes(self) -> str:
+        """A row's code bytes as a constexpr expression of HEAD_DIM (the part's width), a product's factor."""
+        expr = _bytes_expr(self.dim, self.code_bits)
+        return expr if expr == self.dim else f"({expr})"
 
     @property
     def metadata(self) -> tuple[str, ...]:
@@ -913,9 +928,9 @@ class SideLayout:
     def cell_search(self) -> str:
         """How fill finds a value's Lloyd-Max cell, "" for other codebooks: in a symmetric codebook "sign" (1 bit:
         the value's sign), "scan" (|value| against each positive boundary) or "bisect" (a binary search, where a
-        centroid is carried over 8 levels: H100, fill of turbo_eden_k4v2, 35.6% -> 41.9% of copy bandwidth; without
-        a centroid, turbo_k4mse_v2 52.5% -> 50.3%, or over 4 levels, turbo_k4v2 10% more instructions, the scan is
-        faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a binary search over the
+        centroid is carried over 8 levels: on an H100, turbo_eden_k4v2's fill at 42% of copy bandwidth against the
+        scan's 36%; without a centroid (turbo_k4mse_v2 50% against 52.5%) or over 4 levels (turbo_k4v2, 10% more
+        instructions) the scan is faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a binary search over the
         table, over 16 levels)."""
         if not self.lloyd_max:
             return ""
@@ -1069,9 +1084,10 @@ class SideLayout:
         n, fields, group = len(self.metadata), ", ".join(self.metadata), self.group_size
         meta = f"{n}: {fields}"
         if group:
-            meta = f"{n} * {'channels' if self.split else 'head_dim'} / {group}: {fields} per group of {group} channels"
+            per_group = f"{n} * " if n > 1 else ""
+            meta = f"{per_group}{'channels' if self.split else 'head_dim'} / {group}: {fields} per group of {group} channels"
         return (
-            f"    {self.name}_codes: uint8, last dim {width} * {self.code_bits} / 8 (bit planes {planes}, "
+            f"    {self.name}_codes: uint8, last dim {_bytes_expr(width, self.code_bits).replace('//', '/')} (bit planes {planes}, "
             f"{self.packing} packing)\n"
             f"    {self.name}_meta:  model dtype, last dim {meta}"
         )

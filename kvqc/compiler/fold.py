@@ -1,0 +1,100 @@
+"""Fold a rendered module's unit terms (`x * 1`, `1 * x`, `x + 0`, `0 + x`) the way a person would write them.
+
+Templates write an index as every term it may have (`row * WIDTH + FIELD`, `c * CHUNK`), so they need no guard for
+the widths of one and the offsets of zero that some schemes give; this pass leaves those terms out of the source.
+Only integer literals count (`x * 1.0` and `x + 0.0` stay: they can change a dtype or a signed zero), and only
+code: strings and comments are kept as written. The caller checks that the result's syntax tree is the rendered
+one with those identities applied (`folded_tree`), so a fold can drop terms and never change anything else.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+
+# Tokens after which a `1 *` or `0 +` starts an operand of its own: what follows it is not bound by a tighter operator
+# on the left (`2 ** 1 * x`, `-1 * x` keep theirs).
+_OPERAND_START = {"(", "[", "{", ",", "=", ":", "+=", "-=", "*=", "return", "if", "else", "and", "or", "not", "in"}
+# Tokens after an `* 1` or `+ 0` that would take the literal as their own left operand.
+_BINDS_LITERAL = {"**", "*", "/", "//", "%", "@", ".", "(", "["}
+_BINDS_ONE = {"**", ".", "(", "["}
+
+
+def fold(source: str) -> str:
+    """`source` with every `x * 1`, `1 * x`, `x + 0` and `0 + x` (integer literals, in code) reduced to `x`."""
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+              if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    cuts: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (start, end) spans to delete
+    gone: set[int] = set()  # tokens an earlier cut took
+
+    def kept_before(j: int) -> int:
+        j -= 1
+        while j in gone:
+            j -= 1
+        return j
+
+    for i, tok in enumerate(tokens):
+        if tok.type != tokenize.NUMBER or tok.string not in ("0", "1") or i + 2 >= len(tokens):
+            continue
+        op = "*" if tok.string == "1" else "+"
+        binds = _BINDS_ONE if op == "*" else _BINDS_LITERAL
+        before, after = kept_before(i), tokens[i + 1].string
+        if before < 0:
+            continue
+        # `x * 1` / `x + 0`: the operator before the literal, nothing after it that takes the literal instead.
+        if tokens[before].string == op and before == i - 1 and kept_before(before) >= 0 \
+                and _ends_operand(tokens[kept_before(before)]) and after not in binds:
+            cuts.append((tokens[kept_before(before)].end, tok.end))
+            gone.update((i - 1, i))
+        # `1 * x` / `0 + x`: the literal starts an operand and the operator follows it.
+        elif after == op and (tokens[before].string in _OPERAND_START or tokens[before].type == tokenize.NEWLINE
+                              or (tokens[before].string in ("+-" if op == "*" else "+")
+                                  and _ends_operand(tokens[kept_before(before)]))):
+            cuts.append((tok.start, tokens[i + 2].start))
+            gone.update((i, i + 1))
+    return _cut(source, cuts)
+
+
+def folded_tree(tree: ast.AST) -> ast.AST:
+    """`tree` with the identities `fold` applies to source applied to its nodes."""
+    return _Fold().visit(tree)
+
+
+class _Fold(ast.NodeTransformer):
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        unit = 1 if isinstance(node.op, ast.Mult) else 0 if isinstance(node.op, ast.Add) else None
+        if unit is None:
+            return node
+        if _is_int(node.right, unit):
+            return node.left
+        if _is_int(node.left, unit):
+            return node.right
+        return node
+
+
+def _is_int(node: ast.AST, value: int) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == value
+
+
+def _ends_operand(tok: tokenize.TokenInfo) -> bool:
+    return tok.type in (tokenize.NAME, tokenize.NUMBER, tokenize.STRING) or tok.string in (")", "]", "}")
+
+
+def _cut(source: str, cuts: list[tuple[tuple[int, int], tuple[int, int]]]) -> str:
+    if not cuts:
+        return source
+    lines = source.split("\n")
+    spans: list[list[int]] = []  # [row, start, end], overlapping spans of a row merged
+    for (row, start), (end_row, end) in sorted(cuts):
+        if row != end_row:  # a term split over lines is left as it stands
+            continue
+        if spans and spans[-1][0] == row and start <= spans[-1][2]:
+            spans[-1][2] = max(spans[-1][2], end)
+        else:
+            spans.append([row, start, end])
+    for row, start, end in reversed(spans):
+        line = lines[row - 1]
+        lines[row - 1] = line[:start] + line[end:]
+    return "\n".join(lines)

@@ -379,7 +379,7 @@ def _flatten_kernel(
         level = code.to(tl.float32)
 
         first = row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE
-        index = (key_chunk[None, :]) * 2
+        index = key_chunk[None, :] * 2
         scale = tl.load(
             key_meta_ptr + (
                 first[:, None] + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -387,7 +387,7 @@ def _flatten_kernel(
             mask=valid[:, None],
             other=0.0,
         ).to(tl.float32)
-        index = (key_chunk[None, :]) * 2 + 1
+        index = key_chunk[None, :] * 2 + 1
         zero = tl.load(
             key_meta_ptr + (
                 first[:, None] + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -893,7 +893,7 @@ def _decode_kernel(
     )
 
     key_first = tl.max(tl.where(valid, row - (row // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0)
-    index = (key_chunk) * 2
+    index = key_chunk * 2
     key_scale_0_raw = tl.load(
         key_meta_ptr + (
             key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -901,7 +901,7 @@ def _decode_kernel(
         mask=(key_chunk >= 0) & (key_first >= 0),
         other=0.0,
     )
-    index = (key_chunk) * 2 + 1
+    index = key_chunk * 2 + 1
     key_zero_0_raw = tl.load(
         key_meta_ptr + (
             key_first + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -1001,7 +1001,7 @@ def _decode_kernel(
                 tl.where(valid_next, row_next - (row_next // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1),
                 axis=0,
             )
-            index = (key_chunk) * 2
+            index = key_chunk * 2
             key_scale_0_next = tl.load(
                 key_meta_ptr + (
                     key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -1009,7 +1009,7 @@ def _decode_kernel(
                 mask=(key_chunk >= 0) & (key_first_next >= 0),
                 other=0.0,
             )
-            index = (key_chunk) * 2 + 1
+            index = key_chunk * 2 + 1
             key_zero_0_next = tl.load(
                 key_meta_ptr + (
                     key_first_next + index // (HEAD_DIM // 32 * 2) * TOKEN_STRIDE
@@ -1786,12 +1786,12 @@ def _key_group_kernel(
         code_0 = tl.minimum(tl.maximum(tl.floor((x - zero[None, :]) * inverse[None, :] + 0.5).to(tl.int32), 0), 3)
 
         # Channel-major metadata (channel 0's fields, then channel 1's, ...), spread over the group's slots.
-        index = (key_chunk) * 2
+        index = key_chunk * 2
         tl.store(
             key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
             scale.to(key_meta_ptr.dtype.element_ty),
         )
-        index = (key_chunk) * 2 + 1
+        index = key_chunk * 2 + 1
         tl.store(
             key_meta_ptr + (first + index // KEY_META_WIDTH * TOKEN_STRIDE) * KEY_META_WIDTH + index % KEY_META_WIDTH,
             zero.to(key_meta_ptr.dtype.element_ty),

@@ -1743,6 +1743,7 @@ def _decode_kernel(
     # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
     value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
     value_upper_bits = (value_pair >= VALUE_CHUNK).to(tl.int32)[None, :]
+
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
     token = tl.arange(0, BLOCK_N)

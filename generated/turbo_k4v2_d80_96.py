@@ -257,13 +257,7 @@ def _fill_kernel(
                 mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
                 other=0.0,
             )
-            x_0 = tl.dot(
-                x,
-                tl.trans(
-                    tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-                ),
-                x_0,
-            )
+            x_0 = tl.dot(x, tl.trans(tl.load(key_matrix_ptr + key_chunk[:, None] * HEAD_PAD + k + dim[None, :])), x_0)
             x_1 = tl.dot(
                 x,
                 tl.trans(tl.load(key_matrix_ptr + (KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])),
@@ -289,9 +283,7 @@ def _fill_kernel(
             ).to(tl.float32) * spread[:, None]
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
-            matrix = tl.trans(
-                tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-            )
+            matrix = tl.trans(tl.load(key_matrix_ptr + key_chunk[:, None] * HEAD_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
                 tl.load(key_matrix_ptr + (KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
@@ -388,11 +380,7 @@ def _fill_kernel(
             )
             x_0 = tl.dot(
                 x,
-                tl.trans(
-                    tl.load(
-                        value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]
-                    )
-                ),
+                tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :])),
                 x_0,
             )
             x_1 = tl.dot(
@@ -442,9 +430,7 @@ def _fill_kernel(
             ).to(tl.float32) * spread[:, None]
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
-            matrix = tl.trans(
-                tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
-            )
+            matrix = tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
                 tl.load(value_matrix_ptr + (VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
@@ -660,7 +646,7 @@ def _flatten_kernel(
         lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
         for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-            matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * HEAD_PAD + k + dim[None, :])
+            matrix = tl.load(key_matrix_ptr + key_chunk[:, None] * HEAD_PAD + k + dim[None, :])
             if key_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
             else:
@@ -744,9 +730,7 @@ def _flatten_kernel(
         lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
         for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
-            matrix = tl.load(
-                value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * HEAD_PAD + k + dim[None, :]
-            )
+            matrix = tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :])
             if value_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
             else:

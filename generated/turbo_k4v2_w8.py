@@ -1858,12 +1858,12 @@ if gluon is not None:
             byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
             half_0 = gl.zeros([16, 64], gl.float32, layout=MMA)
             x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (column)[None, :],
+                query_ptr + q_row[:, None] * HEAD_DIM + column[None, :],
                 mask=(head < GROUP)[:, None],
                 other=0.0,
             )
             x = x * gl.load(key_matrix_ptr + column)[None, :]  # the signs: exact in fp16
-            parity = (h_row)[:, None] & byte[None, :]
+            parity = h_row[:, None] & byte[None, :]
             parity = parity ^ (parity >> 4)
             parity = parity ^ (parity >> 2)
             parity = parity ^ (parity >> 1)
@@ -1888,7 +1888,7 @@ if gluon is not None:
                 other=0.0,
             )
             x = x * gl.load(key_matrix_ptr + 64 + column)[None, :]  # the signs: exact in fp16
-            parity = (h_row)[:, None] & byte[None, :]
+            parity = h_row[:, None] & byte[None, :]
             parity = parity ^ (parity >> 4)
             parity = parity ^ (parity >> 2)
             parity = parity ^ (parity >> 1)

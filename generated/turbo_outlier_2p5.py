@@ -380,11 +380,7 @@ def _fill_kernel(
             x_0 = tl.dot(
                 x,
                 tl.trans(
-                    tl.load(
-                        key_outlier_matrix_ptr + (
-                            0 * KEY_OUTLIER_CHUNK + key_outlier_chunk[:, None]
-                        ) * KEY_OUTLIER_DIM + k + dim[None, :]
-                    )
+                    tl.load(key_outlier_matrix_ptr + key_outlier_chunk[:, None] * KEY_OUTLIER_DIM + k + dim[None, :])
                 ),
                 x_0,
             )
@@ -422,11 +418,7 @@ def _fill_kernel(
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
             matrix = tl.trans(
-                tl.load(
-                    key_outlier_matrix_ptr + (
-                        0 * KEY_OUTLIER_CHUNK + key_outlier_chunk[:, None]
-                    ) * KEY_OUTLIER_DIM + k + dim[None, :]
-                )
+                tl.load(key_outlier_matrix_ptr + key_outlier_chunk[:, None] * KEY_OUTLIER_DIM + k + dim[None, :])
             )
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
@@ -527,13 +519,7 @@ def _fill_kernel(
                 mask=valid[:, None] & (k + dim[None, :] < KEY_DIM),
                 other=0.0,
             )
-            x_0 = tl.dot(
-                x,
-                tl.trans(
-                    tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * KEY_PAD + k + dim[None, :])
-                ),
-                x_0,
-            )
+            x_0 = tl.dot(x, tl.trans(tl.load(key_matrix_ptr + key_chunk[:, None] * KEY_PAD + k + dim[None, :])), x_0)
             x_1 = tl.dot(
                 x,
                 tl.trans(tl.load(key_matrix_ptr + (KEY_CHUNK_PAD + key_chunk[:, None]) * KEY_PAD + k + dim[None, :])),
@@ -575,9 +561,7 @@ def _fill_kernel(
             ).to(tl.float32) * spread[:, None]
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
-            matrix = tl.trans(
-                tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * KEY_PAD + k + dim[None, :])
-            )
+            matrix = tl.trans(tl.load(key_matrix_ptr + key_chunk[:, None] * KEY_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
                 tl.load(key_matrix_ptr + (KEY_CHUNK_PAD + key_chunk[:, None]) * KEY_PAD + k + dim[None, :])
@@ -671,9 +655,7 @@ def _fill_kernel(
                 x,
                 tl.trans(
                     tl.load(
-                        value_outlier_matrix_ptr + (
-                            0 * VALUE_OUTLIER_CHUNK + value_outlier_chunk[:, None]
-                        ) * VALUE_OUTLIER_DIM + k + dim[None, :]
+                        value_outlier_matrix_ptr + value_outlier_chunk[:, None] * VALUE_OUTLIER_DIM + k + dim[None, :]
                     )
                 ),
                 x_0,
@@ -712,11 +694,7 @@ def _fill_kernel(
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
             matrix = tl.trans(
-                tl.load(
-                    value_outlier_matrix_ptr + (
-                        0 * VALUE_OUTLIER_CHUNK + value_outlier_chunk[:, None]
-                    ) * VALUE_OUTLIER_DIM + k + dim[None, :]
-                )
+                tl.load(value_outlier_matrix_ptr + value_outlier_chunk[:, None] * VALUE_OUTLIER_DIM + k + dim[None, :])
             )
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
@@ -831,11 +809,7 @@ def _fill_kernel(
             )
             x_0 = tl.dot(
                 x,
-                tl.trans(
-                    tl.load(
-                        value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * VALUE_PAD + k + dim[None, :]
-                    )
-                ),
+                tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * VALUE_PAD + k + dim[None, :])),
                 x_0,
             )
             x_1 = tl.dot(
@@ -885,9 +859,7 @@ def _fill_kernel(
             ).to(tl.float32) * spread[:, None]
             hi = x.to(tl.float16)
             lo = (x - hi.to(tl.float32)).to(tl.float16)
-            matrix = tl.trans(
-                tl.load(value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * VALUE_PAD + k + dim[None, :])
-            )
+            matrix = tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * VALUE_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
                 tl.load(value_matrix_ptr + (VALUE_CHUNK_PAD + value_chunk[:, None]) * VALUE_PAD + k + dim[None, :])
@@ -1159,11 +1131,7 @@ def _flatten_kernel(
         lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
         largest = largest * (1.0 / KEY_OUTLIER_DIM ** 0.5) * key_outlier_norm
         for k in tl.static_range(0, KEY_OUTLIER_DIM, IN_BLOCK):
-            matrix = tl.load(
-                key_outlier_matrix_ptr + (
-                    0 * KEY_OUTLIER_CHUNK + key_outlier_chunk[:, None]
-                ) * KEY_OUTLIER_DIM + k + dim[None, :]
-            )
+            matrix = tl.load(key_outlier_matrix_ptr + key_outlier_chunk[:, None] * KEY_OUTLIER_DIM + k + dim[None, :])
             if key_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
             else:
@@ -1251,7 +1219,7 @@ def _flatten_kernel(
         lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
         largest = largest * (1.0 / KEY_DIM ** 0.5) * key_norm
         for k in tl.static_range(0, KEY_PAD, IN_BLOCK):
-            matrix = tl.load(key_matrix_ptr + (0 * KEY_CHUNK_PAD + key_chunk[:, None]) * KEY_PAD + k + dim[None, :])
+            matrix = tl.load(key_matrix_ptr + key_chunk[:, None] * KEY_PAD + k + dim[None, :])
             if key_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
             else:
@@ -1352,9 +1320,7 @@ def _flatten_kernel(
         largest = largest * (1.0 / VALUE_OUTLIER_DIM ** 0.5) * value_outlier_norm
         for k in tl.static_range(0, VALUE_OUTLIER_DIM, IN_BLOCK):
             matrix = tl.load(
-                value_outlier_matrix_ptr + (
-                    0 * VALUE_OUTLIER_CHUNK + value_outlier_chunk[:, None]
-                ) * VALUE_OUTLIER_DIM + k + dim[None, :]
+                value_outlier_matrix_ptr + value_outlier_chunk[:, None] * VALUE_OUTLIER_DIM + k + dim[None, :]
             )
             if value_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
@@ -1443,9 +1409,7 @@ def _flatten_kernel(
         lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
         largest = largest * (1.0 / VALUE_DIM ** 0.5) * value_norm
         for k in tl.static_range(0, VALUE_PAD, IN_BLOCK):
-            matrix = tl.load(
-                value_matrix_ptr + (0 * VALUE_CHUNK_PAD + value_chunk[:, None]) * VALUE_PAD + k + dim[None, :]
-            )
+            matrix = tl.load(value_matrix_ptr + value_chunk[:, None] * VALUE_PAD + k + dim[None, :])
             if value_out_ptr.dtype.element_ty == tl.float32:
                 out = tl.dot(lo_0, matrix, tl.dot(hi_0, matrix))
             else:

@@ -631,7 +631,7 @@ def _fill_kernel(
             _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
         )
         key_dim = tl.arange(0, HEAD_DIM)
-        qjl = tl.load(key_qjl_ptr + (0 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+        qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
         code_0 = code_0 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
         qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
         code_1 = code_1 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
@@ -2022,6 +2022,7 @@ def _decode_kernel(
     # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
     value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
     value_upper_bits = (value_pair >= VALUE_CHUNK).to(tl.int32)[None, :]
+
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
     token = tl.arange(0, BLOCK_N)

@@ -24,6 +24,10 @@ FOLDED = {
     "a * 1 * 1": "a",
     "x[0 + i]": "x[i]",
     "tl.load(lut_ptr + 0)": "tl.load(lut_ptr)",
+    "a + 0 * CHUNK + c": "a + c",
+    "m_ptr + (0 * CHUNK_PAD + chunk[:, None]) * PAD + k": "m_ptr + chunk[:, None] * PAD + k",
+    "p + 0 * 2 * 128": "p",
+    "(h_row)[:, None] & byte": "h_row[:, None] & byte",
 }
 
 # Where the literal is not the operand of the unit operator, or dropping it could change a value: left as written.
@@ -36,6 +40,13 @@ KEPT = [
     "x * 1.0 + 0.0",  # floats: a dtype or a signed zero
     "x // 1",
     "'a * 1'",
+    "a + 0 * CHUNK * tile",  # a tensor's zeros keep its shape
+    "a + 0 * chunk",  # a lower-case name may be a tensor
+    "0 * CHUNK",
+    "(a + b) * c",
+    "(-x) * 2",
+    "(1).bit_length()",
+    "(x if c else z)",
 ]
 
 

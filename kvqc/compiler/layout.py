@@ -1257,6 +1257,16 @@ class Layout:
         return self.scheme.sinks
 
     @property
+    def paging(self) -> tuple[str, ...]:
+        """The paging tensors decode's steps pass on, in the module's order (a window scheme adds its ring rows)."""
+        return ("block_tables", "seq_lens", "window_index") if self.window else ("block_tables", "seq_lens")
+
+    @property
+    def decode_splits(self) -> str:
+        """The split programs the quantized-cache kernel takes of num_splits (the window kernel takes the last)."""
+        return "num_splits - 1" if self.window else "num_splits"
+
+    @property
     def window_slots(self) -> int:
         """Exact tokens a sequence's row holds: its sinks, then the ring of its last `window`."""
         return self.scheme.sinks + self.scheme.window
@@ -1437,6 +1447,52 @@ class Layout:
         where both sides are moved by a matrix and no QJL share of V has to be added first."""
         return (self.padded and not self.split and self.key.uses_matrix and self.value.uses_matrix
                 and not self.value.qjl)
+
+    @property
+    def query_map(self) -> str:
+        """How decode's wrapper brings the query into the split kernels' position order, the piece it includes
+        (templates/api/query/<name>.py.j2; "" where the kernels read it as given or rotate it themselves with
+        `_ROTATE_IN_DECODE` on): a padded head by `_map_query_kernel` ("map_kernel"), by its rotation in torch
+        ("pad_matrix") or by scattering it to its positions ("pad_positions"); `_rotate_query_kernel` with K's QJL
+        projection ("project") or where the split kernels do not rotate it ("rotate"); a matrix in torch ("matrix").
+        A channel split's parts move in `_query_parts_kernel` instead."""
+        if self.split:
+            return ""
+        if self.padded:
+            return "map_kernel" if self.maps_by_matrix else "pad_matrix" if self.key.uses_matrix else "pad_positions"
+        if self.projects_query:
+            return "project"
+        if self.rotates_query:
+            return "rotate"
+        return "matrix" if self.key.uses_matrix else ""
+
+    @property
+    def output_map(self) -> str:
+        """How decode's wrapper turns the merged splits into the output (templates/api/output/<name>.py.j2): the merge
+        writes it, rotated back ("rotate_back") or as it is ("as_merged"); or the wrapper maps it from position order
+        after the merge, in `_map_output_kernel` ("map_kernel"), by its rotation in torch ("matrix", "pad_matrix" for a
+        padded head), by gathering its positions ("positions"), or only adds V's QJL share ("qjl"). A channel split's
+        parts merge in `_merge_parts_kernel` instead."""
+        if self.split:
+            return ""
+        if self.rotates_output:
+            return "rotate_back"
+        if not self.value.wrapper_maps:
+            return "as_merged"
+        if self.maps_by_matrix:
+            return "map_kernel"
+        if self.value.uses_matrix:
+            return "pad_matrix" if self.padded else "matrix"
+        return "positions" if self.padded else "qjl"
+
+    @property
+    def merged_into(self) -> str:
+        """Where a merging kernel (decode_merge) writes the merged output (templates/api/merged/<name>.py.j2): the
+        caller's rows or a new tensor in the query's dtype, where it is the output ("caller"); the plan's scratch for
+        `_map_output_kernel` ("scratch"); a new float32 tensor for the wrapper to map ("float32")."""
+        if self.output_map in ("rotate_back", "as_merged"):
+            return "caller"
+        return "scratch" if self.output_map == "map_kernel" else "float32"
 
     @property
     def decode_replays(self) -> bool:

@@ -263,17 +263,13 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * HEAD_DIM + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * HEAD_DIM + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         key_scale = tl.load(key_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * HEAD_DIM + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * HEAD_DIM + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         value_scale = tl.load(value_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -379,9 +375,7 @@ def _decode_kernel(
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
 
@@ -437,9 +431,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * HEAD_DIM + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                key_codes_ptr + row[:, None] * HEAD_DIM + key_chunk[None, :], mask=valid[:, None], other=0
             ).to(tl.int32)
 
             key_scale = key_scale_raw.to(tl.float32)
@@ -469,9 +461,7 @@ def _decode_kernel(
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
             value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * HEAD_DIM + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                value_codes_ptr + row[:, None] * HEAD_DIM + value_chunk[None, :], mask=valid[:, None], other=0
             ).to(tl.int32)
 
             value_scale = value_scale_raw.to(tl.float32)
@@ -1706,12 +1696,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -167,9 +167,7 @@ def _fill_kernel(
 
     packed = code_0 & 15 | (code_1 & 15) << 4
     tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
+        key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], packed.to(tl.uint8), mask=valid[:, None]
     )
 
     tl.store(key_meta_ptr + row * 2, scale.to(key_meta_ptr.dtype.element_ty), mask=valid)
@@ -266,18 +264,14 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         key_scale = tl.load(key_meta_ptr + row * 2, mask=valid, other=0.0).to(tl.float32)
         key_zero = tl.load(key_meta_ptr + row * 2 + 1, mask=valid, other=0.0).to(tl.float32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM // 2) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 2) + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         value_scale = tl.load(value_meta_ptr + row * 2, mask=valid, other=0.0).to(tl.float32)
@@ -495,16 +489,12 @@ def _decode_kernel(
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_sum = tl.sum(query, axis=1)
     query_0 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_sum += tl.sum(query, axis=1)
     query_1 = query.to(DOT_DTYPE)
@@ -574,9 +564,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0
             )
 
             key_scale = key_scale_raw.to(tl.float32)
@@ -690,9 +678,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
-        mask=q_valid[:, None],
+        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :], acc_1, mask=q_valid[:, None]
     )
     if MERGE:
         # A ticket from the pair's counter: the last of its splits to finish merges them all and zeroes the counter
@@ -1911,12 +1897,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

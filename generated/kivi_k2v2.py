@@ -186,8 +186,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_0 = tl.reshape(code, [BLOCK_T, VALUE_CHUNK])
@@ -208,8 +207,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_1 = tl.reshape(code, [BLOCK_T, VALUE_CHUNK])
@@ -230,8 +228,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_2 = tl.reshape(code, [BLOCK_T, VALUE_CHUNK])
@@ -252,8 +249,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_3 = tl.reshape(code, [BLOCK_T, VALUE_CHUNK])
@@ -361,15 +357,11 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         # key
@@ -481,9 +473,7 @@ def _flatten_kernel(
         tile_0 = tl.where(
             recent[:, None],
             tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + key_chunk[None, :],
-                mask=recent[:, None],
-                other=0.0,
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=recent[:, None], other=0.0
             ).to(tl.float32),
             tile_0,
         )
@@ -557,14 +547,10 @@ def _flatten_kernel(
             tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, VALUE_CHUNK])
         else:  # head_dim 64: chunk 0 lies in group 0 // VALUE_SPAN
             scale = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2, mask=valid, other=0.0
             ).to(tl.float32)
             zero = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (0 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
@@ -590,14 +576,10 @@ def _flatten_kernel(
             tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, VALUE_CHUNK])
         else:  # head_dim 64: chunk 1 lies in group 1 // VALUE_SPAN
             scale = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2, mask=valid, other=0.0
             ).to(tl.float32)
             zero = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (1 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
@@ -623,14 +605,10 @@ def _flatten_kernel(
             tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, VALUE_CHUNK])
         else:  # head_dim 64: chunk 2 lies in group 2 // VALUE_SPAN
             scale = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2, mask=valid, other=0.0
             ).to(tl.float32)
             zero = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (2 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
@@ -656,14 +634,10 @@ def _flatten_kernel(
             tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, VALUE_CHUNK])
         else:  # head_dim 64: chunk 3 lies in group 3 // VALUE_SPAN
             scale = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2, mask=valid, other=0.0
             ).to(tl.float32)
             zero = tl.load(
-                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1,
-                mask=valid,
-                other=0.0,
+                value_meta_ptr + row * (HEAD_DIM // 32 * 2) + (3 // VALUE_SPAN) * 2 + 1, mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None] + zero[:, None]
 
@@ -672,9 +646,7 @@ def _flatten_kernel(
         tile_0 = tl.where(
             recent[:, None],
             tl.load(
-                value_window_ptr + ring_row[:, None] * HEAD_DIM + value_chunk[None, :],
-                mask=recent[:, None],
-                other=0.0,
+                value_window_ptr + ring_row[:, None] * HEAD_DIM + value_chunk[None, :], mask=recent[:, None], other=0.0
             ).to(tl.float32),
             tile_0,
         )
@@ -815,27 +787,19 @@ def _decode_kernel(
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_1 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_2 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_3 = query.to(DOT_DTYPE)
 
@@ -998,8 +962,7 @@ def _decode_kernel(
             )
 
             key_first_next = tl.max(
-                tl.where(valid_next, row_next - (row_next // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1),
-                axis=0,
+                tl.where(valid_next, row_next - (row_next // TOKEN_STRIDE % 32) * TOKEN_STRIDE, -1), axis=0
             )
             index = key_chunk * 2
             key_scale_0_next = tl.load(
@@ -1068,85 +1031,55 @@ def _decode_kernel(
 
             value_scale_0_next = tl.load(value_meta_ptr + row_next * (HEAD_DIM // 32 * 2), mask=valid_next, other=0.0)
             value_zero_0_next = tl.load(
-                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 1,
-                mask=valid_next,
-                other=0.0,
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 1, mask=valid_next, other=0.0
             )
             value_scale_1_next = tl.load(
-                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 2,
-                mask=valid_next,
-                other=0.0,
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 2, mask=valid_next, other=0.0
             )
             value_zero_1_next = tl.load(
-                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 3,
-                mask=valid_next,
-                other=0.0,
+                value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 3, mask=valid_next, other=0.0
             )
             if HEAD_DIM > 64:
                 value_scale_2_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 4,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 4, mask=valid_next, other=0.0
                 )
                 value_zero_2_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 5,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 5, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 96:
                 value_scale_3_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 6,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 6, mask=valid_next, other=0.0
                 )
                 value_zero_3_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 7,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 7, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 128:
                 value_scale_4_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8, mask=valid_next, other=0.0
                 )
                 value_zero_4_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 160:
                 value_scale_5_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10, mask=valid_next, other=0.0
                 )
                 value_zero_5_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 192:
                 value_scale_6_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12, mask=valid_next, other=0.0
                 )
                 value_zero_6_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 224:
                 value_scale_7_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14, mask=valid_next, other=0.0
                 )
                 value_zero_7_next = tl.load(
-                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15,
-                    mask=valid_next,
-                    other=0.0,
+                    value_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15, mask=valid_next, other=0.0
                 )
 
             position += BLOCK_N
@@ -1158,9 +1091,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :], mask=valid[:, None], other=0
             )
 
             if not FAST_UNPACK:
@@ -1257,9 +1188,7 @@ def _decode_kernel(
             # wrapper]
             if HEAD_DIM == 64:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 16 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    value_codes_ptr + row[:, None] * 16 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 scale = value_scale_0_raw.to(tl.float32)
                 weights = (p * scale[None, :]).to(DOT_DTYPE)
@@ -1295,9 +1224,7 @@ def _decode_kernel(
                 acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
             elif HEAD_DIM == 128:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    value_codes_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 scale = value_scale_0_raw.to(tl.float32)
                 weights = (p * scale[None, :]).to(DOT_DTYPE)
@@ -1341,14 +1268,10 @@ def _decode_kernel(
                 acc_u3 = _mm(weights, tile_3, DOT_PRECISION, acc_u3)
             elif HEAD_DIM == 256:
                 value_bytes_0_0 = tl.load(
-                    value_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    value_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 value_bytes_0_1 = tl.load(
-                    value_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    value_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 scale = value_scale_0_raw.to(tl.float32)
                 weights = (p * scale[None, :]).to(DOT_DTYPE)
@@ -1687,9 +1610,7 @@ def _window_store_kernel(
         other=0.0,
     )
     tl.store(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :],
-        x.to(key_window_ptr.dtype.element_ty),
-        mask=mask,
+        key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], x.to(key_window_ptr.dtype.element_ty), mask=mask
     )
     x = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
@@ -1775,9 +1696,7 @@ def _key_group_kernel(
         )
         x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
         old = tl.load(
-            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-            mask=~fresh[:, None],
-            other=0.0,
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column, mask=~fresh[:, None], other=0.0
         ).to(tl.float32)
         x = tl.where(fresh[:, None], x, old)
         zero = tl.min(x, axis=0)
@@ -1806,9 +1725,7 @@ def _key_group_kernel(
         )
         x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
         old = tl.load(
-            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-            mask=~fresh[:, None],
-            other=0.0,
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column, mask=~fresh[:, None], other=0.0
         ).to(tl.float32)
         x = tl.where(fresh[:, None], x, old)
         zero = tl.min(x, axis=0)
@@ -1837,9 +1754,7 @@ def _key_group_kernel(
         )
         x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
         old = tl.load(
-            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-            mask=~fresh[:, None],
-            other=0.0,
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column, mask=~fresh[:, None], other=0.0
         ).to(tl.float32)
         x = tl.where(fresh[:, None], x, old)
         zero = tl.min(x, axis=0)
@@ -1868,9 +1783,7 @@ def _key_group_kernel(
         )
         x = x.to(key_window_ptr.dtype.element_ty).to(tl.float32)
         old = tl.load(
-            key_window_ptr + ring_row[:, None] * HEAD_DIM + column,
-            mask=~fresh[:, None],
-            other=0.0,
+            key_window_ptr + ring_row[:, None] * HEAD_DIM + column, mask=~fresh[:, None], other=0.0
         ).to(tl.float32)
         x = tl.where(fresh[:, None], x, old)
         zero = tl.min(x, axis=0)
@@ -1956,9 +1869,7 @@ def _window_decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
         value = tl.load(
-            value_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :],
-            mask=mask,
-            other=0.0,
+            value_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0
         ).to(tl.float32)
         acc = acc * alpha[:, None] + _mm(p, value, DOT_PRECISION)
     part = q_row * num_splits + num_splits - 1
@@ -2450,10 +2361,7 @@ def _require(call: str, **arguments) -> None:
 
 
 def _check_window_tokens(
-    cache: KVCache,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    window_index: torch.Tensor,
+    cache: KVCache, slot_mapping: torch.Tensor, positions: torch.Tensor, window_index: torch.Tensor
 ) -> None:
     """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
     kept = slot_mapping >= 0
@@ -3289,12 +3197,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -87,12 +87,10 @@ _KEY_SIGNS = {
 # Value Lloyd-Max centroids in N(0, 1) units, per head_dim; the unit vector's coordinates are these / sqrt(d).
 _VALUE_CENTROIDS = {
     128: (
-        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279,
-        2.151945705,
+        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279, 2.151945705
     ),
     256: (
-        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279,
-        2.151945705,
+        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279, 2.151945705
     ),
 }
 
@@ -399,28 +397,22 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_4 = tl.dot(
-                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_5 = tl.dot(
-                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_6 = tl.dot(
-                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_7 = tl.dot(
-                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -755,15 +747,11 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
         value_bytes_1_0 = tl.load(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
@@ -786,9 +774,7 @@ def _flatten_kernel(
 
         group = tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
@@ -801,9 +787,7 @@ def _flatten_kernel(
 
         group = KEY_GROUPS + tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
@@ -1306,76 +1290,52 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     if HEAD_DIM == 128:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
     elif HEAD_DIM == 256:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
         query_4 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_4 = tl.sum(query_4.to(tl.float32), axis=1)
         query_5 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_5 = tl.sum(query_5.to(tl.float32), axis=1)
         query_6 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_6 = tl.sum(query_6.to(tl.float32), axis=1)
         query_7 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_7 = tl.sum(query_7.to(tl.float32), axis=1)
 
@@ -1479,14 +1439,10 @@ def _decode_kernel(
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             if HEAD_DIM == 128:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_0_1 = tl.load(
-                    key_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0, tile_2 = _unpack_u4(key_bytes_0_0)
@@ -1533,24 +1489,16 @@ def _decode_kernel(
                 scores += (scales * 0.0)[None, :]
             elif HEAD_DIM == 256:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 128 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 128 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_0_1 = tl.load(
-                    key_codes_ptr + row[:, None] * 128 + 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 128 + 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_0_2 = tl.load(
-                    key_codes_ptr + row[:, None] * 128 + 64 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 128 + 64 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_0_3 = tl.load(
-                    key_codes_ptr + row[:, None] * 128 + 96 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 128 + 96 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0, tile_4 = _unpack_u4(key_bytes_0_0)
@@ -3113,12 +3061,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -87,12 +87,10 @@ _KEY_SIGNS = {
 # Value Lloyd-Max centroids in N(0, 1) units, per head_dim; the unit vector's coordinates are these / sqrt(d).
 _VALUE_CENTROIDS = {
     128: (
-        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279,
-        2.151945705,
+        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279, 2.151945705
     ),
     256: (
-        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279,
-        2.151945705,
+        -2.151945705, -1.343909279, -0.7560052812, -0.2450941789, 0.2450941789, 0.7560052812, 1.343909279, 2.151945705
     ),
 }
 
@@ -674,28 +672,22 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_4 = tl.dot(
-                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_5 = tl.dot(
-                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_6 = tl.dot(
-                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_7 = tl.dot(
-                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -1031,9 +1023,7 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
         key_bytes_1_0 = tl.load(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 5 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
@@ -1057,9 +1047,7 @@ def _flatten_kernel(
         ).to(tl.int32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
         value_bytes_1_0 = tl.load(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
@@ -1084,17 +1072,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 0 lies in group 0 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (0 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (0 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1108,17 +1092,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 1 lies in group 1 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (1 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (1 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1132,17 +1112,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 2 lies in group 2 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (2 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (2 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1156,17 +1132,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 3 lies in group 3 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (3 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (3 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1180,17 +1152,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 4 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 4 lies in group 4 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (4 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (4 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1204,17 +1172,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 5 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 5 lies in group 5 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (5 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (5 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1228,17 +1192,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 6 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 6 lies in group 6 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (6 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (6 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1252,17 +1212,13 @@ def _flatten_kernel(
         if KEY_GROUPS > 0:  # head_dim 256: groups inside the chunk
             group = 7 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
             scale = tl.load(
-                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :],
-                mask=valid[:, None],
-                other=0.0,
+                key_meta_ptr + row[:, None] * (HEAD_DIM // 32) + group[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
             tile = tl.reshape(tile, [BLOCK_T, KEY_CHUNK])
         else:  # head_dim 128: chunk 7 lies in group 7 // KEY_SPAN
             scale = tl.load(
-                key_meta_ptr + row * (HEAD_DIM // 32) + (7 // KEY_SPAN),
-                mask=valid,
-                other=0.0,
+                key_meta_ptr + row * (HEAD_DIM // 32) + (7 // KEY_SPAN), mask=valid, other=0.0
             ).to(tl.float32)
             tile = level * scale[:, None]
 
@@ -1915,100 +1871,68 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     if HEAD_DIM == 128:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 16 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 16 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 += tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 48 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 48 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 += tl.sum(query_3.to(tl.float32), axis=1)
         query_4 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_4.to(tl.float32), axis=1)
         query_5 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 80 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 80 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 += tl.sum(query_5.to(tl.float32), axis=1)
         query_6 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_6.to(tl.float32), axis=1)
         query_7 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 112 + tl.arange(0, 16)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 112 + tl.arange(0, 16)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 += tl.sum(query_7.to(tl.float32), axis=1)
     elif HEAD_DIM == 256:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
         query_4 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_4 = tl.sum(query_4.to(tl.float32), axis=1)
         query_5 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_5 = tl.sum(query_5.to(tl.float32), axis=1)
         query_6 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_6 = tl.sum(query_6.to(tl.float32), axis=1)
         query_7 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_7 = tl.sum(query_7.to(tl.float32), axis=1)
 
@@ -2112,29 +2036,19 @@ def _decode_kernel(
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             if HEAD_DIM == 128:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 80 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 80 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 80 + 16 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 80 + 16 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_1 = tl.load(
-                    key_codes_ptr + row[:, None] * 80 + 32 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 80 + 32 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_2 = tl.load(
-                    key_codes_ptr + row[:, None] * 80 + 48 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 80 + 48 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_3 = tl.load(
-                    key_codes_ptr + row[:, None] * 80 + 64 + tl.arange(0, 16)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 80 + 64 + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 0, 0)
@@ -2213,29 +2127,19 @@ def _decode_kernel(
                 scores += (scales * 0.0)[None, :]
             elif HEAD_DIM == 256:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 160 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 160 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 160 + 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 160 + 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_1 = tl.load(
-                    key_codes_ptr + row[:, None] * 160 + 64 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 160 + 64 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_2 = tl.load(
-                    key_codes_ptr + row[:, None] * 160 + 96 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 160 + 96 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_1_3 = tl.load(
-                    key_codes_ptr + row[:, None] * 160 + 128 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 160 + 128 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0 = _unpack_u5(key_bytes_0_0, key_bytes_1_0, 0, 0)
@@ -3806,12 +3710,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

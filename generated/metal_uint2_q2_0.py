@@ -300,8 +300,7 @@ def _fill_kernel(
             largest = tl.maximum(
                 tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
-                    tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1)),
+                    tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
@@ -345,8 +344,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_0 = tl.reshape(code, [BLOCK_T, KEY_CHUNK])
@@ -367,8 +365,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_1 = tl.reshape(code, [BLOCK_T, KEY_CHUNK])
@@ -389,8 +386,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_2 = tl.reshape(code, [BLOCK_T, KEY_CHUNK])
@@ -411,8 +407,7 @@ def _fill_kernel(
         scale = (tl.max(grouped, axis=2) - zero) / 3
         inverse = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         code = tl.minimum(
-            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0),
-            3,
+            tl.maximum(tl.floor((grouped - zero[:, :, None]) * inverse[:, :, None] + 0.5).to(tl.int32), 0), 3
         )
 
         code_3 = tl.reshape(code, [BLOCK_T, KEY_CHUNK])
@@ -472,12 +467,10 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -495,8 +488,7 @@ def _fill_kernel(
             largest = tl.maximum(
                 tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
-                    tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1)),
+                    tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
@@ -657,15 +649,11 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
         )
 
         value_norm = tl.load(value_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -678,14 +666,10 @@ def _flatten_kernel(
 
         group = tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         zero = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, KEY_CHUNK])
@@ -698,14 +682,10 @@ def _flatten_kernel(
 
         group = KEY_GROUPS + tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         zero = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, KEY_CHUNK])
@@ -718,14 +698,10 @@ def _flatten_kernel(
 
         group = 2 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         zero = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, KEY_CHUNK])
@@ -738,14 +714,10 @@ def _flatten_kernel(
 
         group = 3 * KEY_GROUPS + tl.arange(0, KEY_GROUPS)
         scale = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         zero = tl.load(
-            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1,
-            mask=valid[:, None],
-            other=0.0,
+            key_meta_ptr + row[:, None] * (HEAD_DIM // 32 * 2) + group[None, :] * 2 + 1, mask=valid[:, None], other=0.0
         ).to(tl.float32)
         tile = tl.reshape(level, [BLOCK_T, KEY_GROUPS, 32]) * scale[:, :, None]
         tile = tl.reshape(tile + zero[:, :, None], [BLOCK_T, KEY_CHUNK])
@@ -1132,76 +1104,52 @@ def _decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     if HEAD_DIM == 128:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
     elif HEAD_DIM == 256:
         query_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_0 = tl.sum(query_0.to(tl.float32), axis=1)
         query_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 32 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_1 = tl.sum(query_1.to(tl.float32), axis=1)
         query_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 64 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_2 = tl.sum(query_2.to(tl.float32), axis=1)
         query_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 96 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_3 = tl.sum(query_3.to(tl.float32), axis=1)
         query_4 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 128 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_4 = tl.sum(query_4.to(tl.float32), axis=1)
         query_5 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 160 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_5 = tl.sum(query_5.to(tl.float32), axis=1)
         query_6 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 192 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_6 = tl.sum(query_6.to(tl.float32), axis=1)
         query_7 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 224 + tl.arange(0, 32)[None, :], mask=q_valid[:, None], other=0.0
         ).to(DOT_DTYPE)
         query_sum_7 = tl.sum(query_7.to(tl.float32), axis=1)
 
@@ -1287,47 +1235,31 @@ def _decode_kernel(
             key_zero_3_next = tl.load(key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 7, mask=valid_next, other=0.0)
             if HEAD_DIM > 128:
                 key_scale_4_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 8, mask=valid_next, other=0.0
                 )
                 key_zero_4_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 9, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 160:
                 key_scale_5_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 10, mask=valid_next, other=0.0
                 )
                 key_zero_5_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 11, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 192:
                 key_scale_6_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 12, mask=valid_next, other=0.0
                 )
                 key_zero_6_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 13, mask=valid_next, other=0.0
                 )
             if HEAD_DIM > 224:
                 key_scale_7_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 14, mask=valid_next, other=0.0
                 )
                 key_zero_7_next = tl.load(
-                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15,
-                    mask=valid_next,
-                    other=0.0,
+                    key_meta_ptr + row_next * (HEAD_DIM // 32 * 2) + 15, mask=valid_next, other=0.0
                 )
 
             value_norm_next = tl.load(value_meta_ptr + row_next, mask=valid_next, other=0.0)
@@ -1342,9 +1274,7 @@ def _decode_kernel(
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             if HEAD_DIM == 128:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0 = _unpack_u2(key_bytes_0_0, 0)
@@ -1388,14 +1318,10 @@ def _decode_kernel(
                 )[None, :]
             elif HEAD_DIM == 256:
                 key_bytes_0_0 = tl.load(
-                    key_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 64 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 key_bytes_0_1 = tl.load(
-                    key_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :],
-                    mask=valid[:, None],
-                    other=0,
+                    key_codes_ptr + row[:, None] * 64 + 32 + tl.arange(0, 32)[None, :], mask=valid[:, None], other=0
                 )
                 if FAST_UNPACK:
                     tile_0 = _unpack_u2(key_bytes_0_0, 0)
@@ -1496,9 +1422,7 @@ def _decode_kernel(
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
             value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
             )
 
             value_norm = value_norm_raw.to(tl.float32)
@@ -1576,9 +1500,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
-        mask=q_valid[:, None],
+        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :], acc_1, mask=q_valid[:, None]
     )
     tl.store(
         partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
@@ -2933,12 +2855,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -355,8 +355,7 @@ def _fill_kernel(
         largest = tl.maximum(
             tl.max(tl.abs(x_0), axis=1),
             tl.maximum(
-                tl.max(tl.abs(x_1), axis=1),
-                tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1)),
+                tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))
             ),
         )
         spread = 1.0 / tl.maximum(largest, 1e-30)
@@ -489,12 +488,10 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -512,8 +509,7 @@ def _fill_kernel(
             largest = tl.maximum(
                 tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
-                    tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1)),
+                    tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
@@ -703,17 +699,13 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :], mask=valid[:, None], other=0
         )
 
         key_norm = tl.load(key_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
         )
 
         value_norm = tl.load(value_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -830,9 +822,7 @@ def _flatten_kernel(
         tile_0 = tl.where(
             recent[:, None],
             tl.load(
-                key_window_ptr + ring_row[:, None] * HEAD_DIM + key_chunk[None, :],
-                mask=recent[:, None],
-                other=0.0,
+                key_window_ptr + ring_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=recent[:, None], other=0.0
             ).to(tl.float32),
             tile_0,
         )
@@ -1004,9 +994,7 @@ def _flatten_kernel(
         tile_0 = tl.where(
             recent[:, None],
             tl.load(
-                value_window_ptr + ring_row[:, None] * HEAD_DIM + value_chunk[None, :],
-                mask=recent[:, None],
-                other=0.0,
+                value_window_ptr + ring_row[:, None] * HEAD_DIM + value_chunk[None, :], mask=recent[:, None], other=0.0
             ).to(tl.float32),
             tile_0,
         )
@@ -1235,24 +1223,16 @@ def _decode_kernel(
         rotated_3 *= (1.0 / HEAD_DIM ** 0.5)
     else:
         rotated_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
         rotated_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
         rotated_2 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
         rotated_3 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
 
     query = rotated_0
@@ -1336,9 +1316,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :], mask=valid[:, None], other=0
             )
 
             key_norm = key_norm_raw.to(tl.float32)
@@ -1404,9 +1382,7 @@ def _decode_kernel(
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
             value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
             )
 
             value_norm = value_norm_raw.to(tl.float32)
@@ -1464,9 +1440,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
-        mask=q_valid[:, None],
+        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :], acc_1, mask=q_valid[:, None]
     )
     tl.store(
         partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
@@ -1644,9 +1618,7 @@ def _window_store_kernel(
         other=0.0,
     )
     tl.store(
-        key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :],
-        x.to(key_window_ptr.dtype.element_ty),
-        mask=mask,
+        key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], x.to(key_window_ptr.dtype.element_ty), mask=mask
     )
     x = tl.load(
         value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + dim[None, :],
@@ -1725,9 +1697,7 @@ def _window_decode_kernel(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         running_max = new_max
         value = tl.load(
-            value_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :],
-            mask=mask,
-            other=0.0,
+            value_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0
         ).to(tl.float32)
         acc = acc * alpha[:, None] + _mm(p, value, DOT_PRECISION)
     part = q_row * num_splits + num_splits - 1
@@ -1735,8 +1705,7 @@ def _window_decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     # The signs, then H_d by butterflies: the basis _decode_reduce_kernel rotates back from.
     acc = _walsh_hadamard(
-        acc * tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :],
-        HEAD_DIM,
+        acc * tl.load(value_matrix_ptr + dim).to(tl.float32)[None, :], HEAD_DIM
     ) * (1.0 / HEAD_DIM ** 0.5)
     tl.store(partial_out_ptr + part[:, None] * D_PAD + dim[None, :], acc, mask=q_valid[:, None])
     if MERGE:
@@ -2313,10 +2282,7 @@ def _require(call: str, **arguments) -> None:
 
 
 def _check_window_tokens(
-    cache: KVCache,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    window_index: torch.Tensor,
+    cache: KVCache, slot_mapping: torch.Tensor, positions: torch.Tensor, window_index: torch.Tensor
 ) -> None:
     """What the kernels assume of the tokens of a window scheme's fill (checked on CPU tensors and with KVQC_DEBUG)."""
     kept = slot_mapping >= 0
@@ -3183,12 +3149,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -417,12 +417,10 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -440,8 +438,7 @@ def _fill_kernel(
             largest = tl.maximum(
                 tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
-                    tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1)),
+                    tl.max(tl.abs(x_1), axis=1), tl.maximum(tl.max(tl.abs(x_2), axis=1), tl.max(tl.abs(x_3), axis=1))
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
@@ -604,17 +601,13 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0
         )
 
         key_norm = tl.load(key_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
         )
 
         value_norm = tl.load(value_meta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -649,8 +642,7 @@ def _flatten_kernel(
             key_lut_7 = tl.load(key_lut_ptr + 7)
 
             tile_0, tile_1 = _unpack_lut4(
-                key_bytes_0_0, key_lut_0, key_lut_1, key_lut_2, key_lut_3, key_lut_4, key_lut_5, key_lut_6,
-                key_lut_7,
+                key_bytes_0_0, key_lut_0, key_lut_1, key_lut_2, key_lut_3, key_lut_4, key_lut_5, key_lut_6, key_lut_7
             )
 
         else:
@@ -1081,14 +1073,10 @@ def _decode_kernel(
         rotated_1 *= (1.0 / HEAD_DIM ** 0.5)
     else:
         rotated_0 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
         rotated_1 = tl.load(
-            query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :],
-            mask=q_valid[:, None],
-            other=0.0,
+            query_ptr + q_row[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :], mask=q_valid[:, None], other=0.0
         )
 
     query = rotated_0
@@ -1185,9 +1173,7 @@ def _decode_kernel(
 
             # scores = norm (or scale) * <q, tile> [+ shift * sum(q)] [+ QJL: <S q, signs> * qjl_row]
             key_bytes_0_0 = tl.load(
-                key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0
             )
 
             key_norm = key_norm_raw.to(tl.float32)
@@ -1262,9 +1248,7 @@ def _decode_kernel(
             # acc += (p * norm) @ tile [+ sum(p * shift), kept apart] [+ QJL: (p * qjl_row) @ signs, mapped back by the
             # wrapper]
             value_bytes_0_0 = tl.load(
-                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],
-                mask=valid[:, None],
-                other=0,
+                value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :], mask=valid[:, None], other=0
             )
 
             value_norm = value_norm_raw.to(tl.float32)
@@ -1322,9 +1306,7 @@ def _decode_kernel(
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + value_chunk[None, :], acc_0, mask=q_valid[:, None])
     tl.store(
-        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :],
-        acc_1,
-        mask=q_valid[:, None],
+        partial_out_ptr + part[:, None] * HEAD_DIM + VALUE_CHUNK + value_chunk[None, :], acc_1, mask=q_valid[:, None]
     )
     tl.store(
         partial_out_ptr + part[:, None] * HEAD_DIM + 2 * VALUE_CHUNK + value_chunk[None, :],
@@ -1843,9 +1825,7 @@ if gluon is not None:
             byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
             half_0 = gl.zeros([16, 64], gl.float32, layout=MMA)
             x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + column[None, :],
-                mask=(head < GROUP)[:, None],
-                other=0.0,
+                query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=(head < GROUP)[:, None], other=0.0
             )
             x = x * gl.load(key_matrix_ptr + column)[None, :]  # the signs: exact in fp16
             parity = h_row[:, None] & byte[None, :]
@@ -1855,9 +1835,7 @@ if gluon is not None:
             hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
             half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
             x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (32 + column)[None, :],
-                mask=(head < GROUP)[:, None],
-                other=0.0,
+                query_ptr + q_row[:, None] * HEAD_DIM + (32 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
             )
             x = x * gl.load(key_matrix_ptr + 32 + column)[None, :]  # the signs: exact in fp16
             parity = (32 + h_row)[:, None] & byte[None, :]
@@ -1868,9 +1846,7 @@ if gluon is not None:
             half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
             half_1 = gl.zeros([16, 64], gl.float32, layout=MMA)
             x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (64 + column)[None, :],
-                mask=(head < GROUP)[:, None],
-                other=0.0,
+                query_ptr + q_row[:, None] * HEAD_DIM + (64 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
             )
             x = x * gl.load(key_matrix_ptr + 64 + column)[None, :]  # the signs: exact in fp16
             parity = h_row[:, None] & byte[None, :]
@@ -1880,9 +1856,7 @@ if gluon is not None:
             hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
             half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
             x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (96 + column)[None, :],
-                mask=(head < GROUP)[:, None],
-                other=0.0,
+                query_ptr + q_row[:, None] * HEAD_DIM + (96 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
             )
             x = x * gl.load(key_matrix_ptr + 96 + column)[None, :]  # the signs: exact in fp16
             parity = (32 + h_row)[:, None] & byte[None, :]
@@ -3251,12 +3225,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -379,9 +379,7 @@ def _fill_kernel(
                 other=0.0,
             )
             x_0 = tl.dot(
-                x,
-                tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :])),
-                x_0,
+                x, tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :])), x_0
             )
             x_1 = tl.dot(
                 x,
@@ -936,15 +934,11 @@ def _decode_kernel(
     # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * HEAD_PAD + KEY_CHUNK_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_PAD + KEY_CHUNK_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_1 = query.to(DOT_DTYPE)
     key_c0 = tl.load(key_centroids_ptr)
@@ -1037,12 +1031,7 @@ def _decode_kernel(
 
             if FAST_UNPACK:
                 tile_0, tile_1 = _unpack_lut3s(
-                    key_bytes_0_0,
-                    key_residual_rms.to(tl.float16)[:, None],
-                    key_lut_0,
-                    key_lut_1,
-                    key_lut_2,
-                    key_lut_3,
+                    key_bytes_0_0, key_residual_rms.to(tl.float16)[:, None], key_lut_0, key_lut_1, key_lut_2, key_lut_3
                 )
 
                 dots = tl.dot(query_0, tl.trans(tile_0))
@@ -2570,12 +2559,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

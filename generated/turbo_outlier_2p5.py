@@ -104,8 +104,7 @@ _KEY_OUTLIER_CENTROIDS = {
 # Key_outlier random sign flips applied before the Hadamard transform (seed 31).
 _KEY_OUTLIER_SIGNS = {
     128: (
-        1, 1, 1, 1, 1, 1, -1, -1, -1, -1, 1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, 1, 1, 1, 1,
-        1, -1, -1,
+        1, 1, 1, 1, 1, 1, -1, -1, -1, -1, 1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, 1, 1, 1, 1, 1, -1, -1
     ),
     256: (
         1, 1, 1, 1, 1, 1, -1, -1, -1, -1, 1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, -1, -1, 1, 1, 1, 1, 1,
@@ -808,9 +807,7 @@ def _fill_kernel(
                 other=0.0,
             )
             x_0 = tl.dot(
-                x,
-                tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * VALUE_PAD + k + dim[None, :])),
-                x_0,
+                x, tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * VALUE_PAD + k + dim[None, :])), x_0
             )
             x_1 = tl.dot(
                 x,
@@ -1646,27 +1643,19 @@ def _decode_kernel(
     ).to(tl.float32)
     query_outlier_1 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * KEY_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * KEY_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_0 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * KEY_PAD + KEY_CHUNK_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * KEY_PAD + KEY_CHUNK_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_1 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * KEY_PAD + 2 * KEY_CHUNK_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * KEY_PAD + 2 * KEY_CHUNK_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_2 = query.to(DOT_DTYPE)
     query = tl.load(
-        query_ptr + q_row[:, None] * KEY_PAD + 3 * KEY_CHUNK_PAD + key_chunk[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * KEY_PAD + 3 * KEY_CHUNK_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
     ).to(tl.float32)
     query_3 = query.to(DOT_DTYPE)
     key_outlier_c0 = tl.load(key_outlier_centroids_ptr)
@@ -2144,9 +2133,7 @@ def _query_parts_kernel(
         block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
         column = tl.load(
-            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :],
-            mask=mask,
-            other=0,
+            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :], mask=mask, other=0
         )
         part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
         matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + block[None, :])
@@ -2219,9 +2206,7 @@ def _merge_parts_kernel(
     pos = tl.arange(0, VALUE_OUTLIER_DIM)
     VALUE_OUTLIER_BLOCK: tl.constexpr = min(VALUE_OUTLIER_DIM, 32)
     acc = tl.load(
-        partial_outlier_out_ptr + part[:, None] * VALUE_OUTLIER_DIM + pos[None, :],
-        mask=has[:, None],
-        other=0.0,
+        partial_outlier_out_ptr + part[:, None] * VALUE_OUTLIER_DIM + pos[None, :], mask=has[:, None], other=0.0
     )
     merged = tl.sum(acc * weight[:, None], axis=0)
     for first in range(0, VALUE_OUTLIER_DIM, VALUE_OUTLIER_BLOCK):
@@ -3691,12 +3676,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -94,8 +94,7 @@ _KEY_SIGNS = {
 # Value Lloyd-Max centroids in N(0, 1) units, per head_dim; the unit vector's coordinates are these / sqrt(d).
 _VALUE_CENTROIDS = {
     128: (
-        -2.131470844, -1.336598886, -0.7533301597, -0.2444248729, 0.2444248729, 0.7533301597, 1.336598886,
-        2.131470844,
+        -2.131470844, -1.336598886, -0.7533301597, -0.2444248729, 0.2444248729, 0.7533301597, 1.336598886, 2.131470844
     ),
     256: (-2.141668641, -1.34024731, -0.7546673654, -0.2447598026, 0.2447598026, 0.7546673654, 1.34024731, 2.141668641),
 }
@@ -739,28 +738,22 @@ def _fill_kernel(
             x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
             x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
             x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_4 = tl.dot(
-                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_5 = tl.dot(
-                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_6 = tl.dot(
-                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             x_7 = tl.dot(
-                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :],
-                value_hadamard,
+                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
             )
             largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
         else:
@@ -1097,9 +1090,7 @@ def _flatten_kernel(
         # Every side's codes and metadata are asked for before any is used: one memory latency per program, not one
         # per side.
         key_bytes_0_0 = tl.load(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
         key_bytes_1_0 = tl.load(
             key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
@@ -1118,9 +1109,7 @@ def _flatten_kernel(
         key_qjl_row = key_norm * key_residual_norm * 1.2533141373155001 / HEAD_DIM
 
         value_bytes_0_0 = tl.load(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0,
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
         value_bytes_1_0 = tl.load(
             value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
@@ -1945,29 +1934,19 @@ def _decode_kernel(
     key_upper = tl.where(key_pair >= KEY_CHUNK, 255, 0).to(tl.uint8)[None, :]
     key_upper_bits = (key_pair >= KEY_CHUNK).to(tl.int32)[None, :]
     query_p0 = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_qjl_p0 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_p1 = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_qjl_p1 = tl.load(
-        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_qjl_ptr + q_row[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_p2 = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 2 * 2 * KEY_CHUNK + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + 2 * 2 * KEY_CHUNK + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_qjl_p2 = tl.load(
         query_qjl_ptr + q_row[:, None] * HEAD_DIM + 2 * 2 * KEY_CHUNK + key_pair[None, :],
@@ -1975,9 +1954,7 @@ def _decode_kernel(
         other=0.0,
     ).to(DOT_DTYPE)
     query_p3 = tl.load(
-        query_ptr + q_row[:, None] * HEAD_DIM + 3 * 2 * KEY_CHUNK + key_pair[None, :],
-        mask=q_valid[:, None],
-        other=0.0,
+        query_ptr + q_row[:, None] * HEAD_DIM + 3 * 2 * KEY_CHUNK + key_pair[None, :], mask=q_valid[:, None], other=0.0
     ).to(DOT_DTYPE)
     query_qjl_p3 = tl.load(
         query_qjl_ptr + q_row[:, None] * HEAD_DIM + 3 * 2 * KEY_CHUNK + key_pair[None, :],
@@ -3682,12 +3659,7 @@ def attend(
                 <= torch.arange(n - q_len, n, device=cache.device)[:, None]
             )
             o = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=visible, scale=scale, enable_gqa=True
             )
             out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
         kv_start += n

@@ -1,6 +1,7 @@
 """kvqc/compiler/wrap.py: long lines broken as a person would, the program unchanged."""
 
 import ast
+import textwrap
 
 import pytest
 
@@ -33,6 +34,18 @@ def test_wrapped_lines_fit_and_mean_the_same(name):
     assert same_tree(source, wrapped)
     assert all(len(line) <= 120 for line in wrapped.splitlines()), wrapped
     assert wrapped != source
+
+
+def test_a_call_whose_arguments_fit_one_line_keeps_them_together():
+    source = ("        key_bytes = tl.load(key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], "
+              "mask=valid[:, None], other=0)\n")
+    wrapped = wrap(source)
+    assert wrapped.splitlines() == [
+        "        key_bytes = tl.load(",
+        "            key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :], mask=valid[:, None], other=0",
+        "        )",
+    ]
+    assert same_tree(textwrap.dedent(source), textwrap.dedent(wrapped))
 
 
 def test_short_lines_and_strings_spanning_lines_are_left_alone():

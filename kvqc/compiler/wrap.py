@@ -127,7 +127,7 @@ def _split(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width: int
             return [(0, item) for item in items]
     bracket = _widest_bracket(code, tokens)
     if bracket is not None and bracket[0] > 40:
-        return bracket[1]
+        return _hug(bracket[1], width) or bracket[1]
     broken = _operators(code, tokens, inside, width)
     if broken is not None:
         return broken
@@ -150,6 +150,16 @@ def _widest_bracket(code: str, tokens: list[tokenize.TokenInfo]) -> tuple[int, l
         return None
     head, tail = code[:body_start], code[body_end:]
     return len(code[body_start:body_end].strip()), [(0, head), *((1, item) for item in items), (0, tail)]
+
+
+def _hug(lines: list[tuple[int, str]], width: int) -> list[tuple[int, str]] | None:
+    """A bracket broken one item a line, with its items back on one line of their own where they fit there
+    (`f(\n    a, b, c\n)`), as a person (or black) writes a call too long for its line; None where they do not."""
+    head, *items, tail = lines
+    body = " ".join(item for _, item in items)
+    if len(items) > 1 and body.endswith(","):
+        body = body[:-1]  # a trailing comma would ask for one item a line
+    return [head, (1, body), tail] if len(items) > 1 and len(body) + 4 <= width else None
 
 
 def _bracket_pairs(tokens: list[tokenize.TokenInfo]) -> list[tuple[int, int]]:

@@ -69,8 +69,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
-# Decode unpacks codes with inline PTX where the format has a helper.
-_FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
 # an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 32
@@ -715,6 +713,12 @@ def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args,
 _TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launches` (sites are tuples)
 
 
+def _alignment(query: torch.Tensor, cache_addresses: list) -> tuple:
+    """What a plan's launches may differ in from layer to layer: whether the query and each cache tensor start on a
+    16-byte boundary. It keys the launch sites and, with the scale, the replays."""
+    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses))
+
+
 class _Replay:
     """One layer's decode launches, taken by the first call of a plan, run again for every later layer: each
     launch's compiled kernel and arguments, all fixed but the layer's own tensors (the query, the output and the
@@ -777,12 +781,6 @@ class _Replay:
                     addresses[at] = layer[index]
             compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *addresses)
         return out
-
-
-def _alignment(query: torch.Tensor, cache_addresses: list) -> tuple:
-    """What a plan's launches may differ in from layer to layer: whether the query and each cache tensor start on a
-    16-byte boundary. It keys the launch sites and, with the scale, the replays."""
-    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses))
 
 
 def _layer_slot(arg: torch.Tensor, query: torch.Tensor, out: torch.Tensor, cache_tensors: tuple) -> "int | None":

@@ -1394,6 +1394,11 @@ class Layout:
         return any(side.uses_matrix and side.rotated for side in self.sides)
 
     @property
+    def builds_paley(self) -> bool:
+        """`_hadamard` takes Paley's matrices (`_PALEY`): it is built for a width that is not a power of two."""
+        return self.paley and self.builds_hadamard
+
+    @property
     def builds_qjl(self) -> bool:
         """The module generates a QJL projection (the seeded Gaussian generator): some side has a QJL residual."""
         return any(side.qjl for side in self.sides)
@@ -1551,6 +1556,11 @@ class Layout:
         by_kind = {side.fast_unpack: side for side in self.sides if side.plane_unpack}
         forms = dict.fromkeys((side.fast_unpack, side.pairs) for side in self.sides if side.plane_unpack)
         return tuple((kind, pairs, by_kind[kind]) for kind, pairs in forms)
+
+    @property
+    def unpacks_in_ptx(self) -> bool:
+        """Some kernel takes FAST_UNPACK: the module says whether its PTX helpers run (`_FAST_UNPACK`)."""
+        return self.decode_unpacks or self.flatten_unpacks
 
     @property
     def flatten_unpacks(self) -> bool:

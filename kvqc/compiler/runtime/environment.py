@@ -18,5 +18,3 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
-# Decode unpacks codes with inline PTX where the format has a helper.
-_FAST_UNPACK = _COMPILED_CUDA

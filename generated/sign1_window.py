@@ -1408,9 +1408,8 @@ def _flatten_kernel(
 
 @triton.jit
 def _unpack_lut1(plane0, field0, lut0, lut1):
-    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each byte's bit at offset field0, moved
-    to bit 7, becomes a mask over the half it decodes into (prmt's sign replication), and lop3 takes lut1's half
-    where the mask is set and lut0's where it is clear (lut<i>: entry i in both halves, a constant)."""
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
+    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 k, t, l, h;
@@ -1431,13 +1430,10 @@ def _unpack_lut1(plane0, field0, lut0, lut1):
 
 @triton.jit
 def _unpack_lut1_pairs(plane0, upper, field0, lut0, lut1):
-    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each byte's bit at offset field0, moved
-    to bit 7, becomes a mask over the half it decodes into (prmt's sign replication), and lop3 takes lut1's half
-    where the mask is set and lut0's where it is clear (lut<i>: entry i in both halves, a constant)."""
-    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
-    # its next field (a select of the byte shifted one place less). Impure, unlike the single-chunk form: Triton
-    # cannot read V's codes from shared memory in tl.dot's layout (its pairs run along tokens), and a pure helper
-    # would only widen the dot's operand layout (kWidth 4), which the probabilities then reach by shuffles.
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
+    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
+    # Two chunks side by side (decode's pairs): where `upper` is 0xff a byte takes its next field. Impure: Triton
+    # cannot read V's bytes in tl.dot's layout (pairs along tokens), and purity would only widen the probabilities'.
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 k, t, u, l, h;

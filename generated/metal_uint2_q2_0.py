@@ -151,7 +151,7 @@ _DECODE_CONFIGS = {128: (32, 1, 3, 8, 128)}
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
-_LAZY_RESCALE = False
+_LAZY_RESCALE = True
 # K's scale groups take the query one group of columns at a time from _rotate_query_kernel's rows: the split kernels
 # do not rotate it themselves.
 _ROTATE_IN_DECODE = False

@@ -155,18 +155,18 @@ _FLATTEN_BLOCK_T = 64
 _LOOP_STAGES = {}
 _FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
-# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8/32,
-# context 32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records
-# the sweep.
-_DECODE_CONFIGS = {128: (32, 1, 3, 16, 64)}
+# sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3, torch
+# 2.11.0+cu130, triton 3.6.0 (batch 8, context 32k, 32 query / 8 KV heads, block_size 64, fp16, decode's kernels summed
+# by torch.profiler); templates/decode_tuning.json records the sweep.
+_DECODE_CONFIGS = {128: (64, 1, 3, 8, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
-_LAZY_RESCALE = False
+_LAZY_RESCALE = True
 # Whether decode's split kernels rotate the query themselves (ROTATE) or _rotate_query_kernel does it first, in a
 # launch of its own: per scheme from measurements (templates/decode_tuning.json, `rotate_query_apart`).
-_ROTATE_IN_DECODE = True
+_ROTATE_IN_DECODE = False
 
 
 @triton.jit
@@ -1388,59 +1388,48 @@ def _flatten_kernel(
 
 
 @triton.jit
-def _unpack_lut1(plane0, field0, lut0):
-    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
-    one prmt selector, and prmt reads the entries' low and high bytes (lut: 1 words, as _lut_words packs them)."""
+def _unpack_lut1(plane0, field0, lut0, lut1):
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
+    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 c, t, s, l, h, z;
-        shr.b32 c, $2, $3;
-        and.b32 c, c, 0x01010101;
-        mov.b32 z, 0;
-        shr.b32 t, c, 4;
-        or.b32 t, t, c;
-        prmt.b32 s, t, z, 0x0020;
-        prmt.b32 l, $7, $7, s;
-        or.b32 s, s, 0x2222;
-        prmt.b32 h, $7, $7, s;
-        prmt.b32 $0, l, h, 0x5140;
-        prmt.b32 $1, l, h, 0x7362;
+        .reg .b32 k, t, l, h;
+        sub.u32 k, 7, $3;
+        shl.b32 t, $2, k;
+        prmt.b32 l, t, t, 0x9988;
+        prmt.b32 h, t, t, 0xbbaa;
+        lop3.b32 $0, l, $11, $7, 0xca;
+        lop3.b32 $1, h, $11, $7, 0xca;
         }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r,r",
-        args=[plane0, field0, lut0],
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, field0, lut0, lut1],
         dtype=tl.float16,
-        is_pure=False,
+        is_pure=True,
         pack=4,
     )
 
 
 @triton.jit
-def _unpack_lut1_pairs(plane0, upper, field0, lut0):
-    """1-bit Lloyd-Max indices -> fp16 codebook entries, one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
-    one prmt selector, and prmt reads the entries' low and high bytes (lut: 1 words, as _lut_words packs them)."""
-    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
-    # its next field (a select of the byte shifted once more).
+def _unpack_lut1_pairs(plane0, upper, field0, lut0, lut1):
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
+    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
+    # Two chunks side by side (decode's pairs): where `upper` is 0xff a byte takes its next field. Impure: Triton
+    # cannot read V's bytes in tl.dot's layout (pairs along tokens), and purity would only widen the probabilities'.
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 c, t, u, s, l, h, z;
-        shr.b32 c, $2, $4;
-        shr.b32 u, c, 1;
-        lop3.b32 c, u, c, $3, 0xe4;
-        and.b32 c, c, 0x01010101;
-        mov.b32 z, 0;
-        shr.b32 t, c, 4;
-        or.b32 t, t, c;
-        prmt.b32 s, t, z, 0x0020;
-        prmt.b32 l, $8, $8, s;
-        or.b32 s, s, 0x2222;
-        prmt.b32 h, $8, $8, s;
-        prmt.b32 $0, l, h, 0x5140;
-        prmt.b32 $1, l, h, 0x7362;
+        .reg .b32 k, t, u, l, h;
+        sub.u32 k, 7, $4;
+        shl.b32 t, $2, k;
+        sub.u32 k, k, 1;
+        shl.b32 u, $2, k;
+        lop3.b32 t, u, t, $3, 0xe4;
+        prmt.b32 l, t, t, 0x9988;
+        prmt.b32 h, t, t, 0xbbaa;
+        lop3.b32 $0, l, $12, $8, 0xca;
+        lop3.b32 $1, h, $12, $8, 0xca;
         }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r",
-        args=[plane0, upper, field0, lut0],
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[plane0, upper, field0, lut0, lut1],
         dtype=tl.float16,
         is_pure=False,
         pack=4,
@@ -1457,13 +1446,11 @@ def _decode_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-    key_lut_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
     value_boundaries_ptr,
-    value_lut_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -1695,9 +1682,11 @@ def _decode_kernel(
     value_c1 = tl.load(value_centroids_ptr + 1)
 
     if FAST_UNPACK:
-        key_lut_0 = tl.load(key_lut_ptr)
+        key_lut_0 = tl.full([], 0xAC83AC83 if HEAD_DIM == 128 else 0xAA62AA62, tl.uint32)
+        key_lut_1 = tl.full([], 0x2C832C83 if HEAD_DIM == 128 else 0x2A622A62, tl.uint32)
 
-        value_lut_0 = tl.load(value_lut_ptr)
+        value_lut_0 = tl.full([], 0xAC83AC83 if HEAD_DIM == 128 else 0xAA62AA62, tl.uint32)
+        value_lut_1 = tl.full([], 0x2C832C83 if HEAD_DIM == 128 else 0x2A622A62, tl.uint32)
 
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -1765,21 +1754,21 @@ def _decode_kernel(
             key_norm = key_norm_raw.to(tl.float32)
 
             if FAST_UNPACK:
-                tile = _unpack_lut1(key_bytes_0_0, 0, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 0, key_lut_0, key_lut_1)
                 dots = tl.dot(query_0, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 1, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 1, key_lut_0, key_lut_1)
                 dots += tl.dot(query_1, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 2, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 2, key_lut_0, key_lut_1)
                 dots += tl.dot(query_2, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 3, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 3, key_lut_0, key_lut_1)
                 dots += tl.dot(query_3, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 4, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 4, key_lut_0, key_lut_1)
                 dots += tl.dot(query_4, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 5, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 5, key_lut_0, key_lut_1)
                 dots += tl.dot(query_5, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 6, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 6, key_lut_0, key_lut_1)
                 dots += tl.dot(query_6, tl.trans(tile))
-                tile = _unpack_lut1(key_bytes_0_0, 7, key_lut_0)
+                tile = _unpack_lut1(key_bytes_0_0, 7, key_lut_0, key_lut_1)
                 dots += tl.dot(query_7, tl.trans(tile))
             else:
                 key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
@@ -1861,13 +1850,13 @@ def _decode_kernel(
 
             weights = (p * value_norm[None, :]).to(DOT_DTYPE)
             if FAST_UNPACK:
-                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 0, value_lut_0)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 0, value_lut_0, value_lut_1)
                 acc_p0 = tl.dot(weights, tile, acc_p0)
-                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 2, value_lut_0)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 2, value_lut_0, value_lut_1)
                 acc_p1 = tl.dot(weights, tile, acc_p1)
-                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 4, value_lut_0)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 4, value_lut_0, value_lut_1)
                 acc_p2 = tl.dot(weights, tile, acc_p2)
-                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 6, value_lut_0)
+                tile = _unpack_lut1_pairs(value_pair_0, value_upper, 6, value_lut_0, value_lut_1)
                 acc_p3 = tl.dot(weights, tile, acc_p3)
             else:
                 value_pair_0 = value_pair_0.to(tl.int32)
@@ -2187,15 +2176,6 @@ def _hadamard(head_dim: int) -> torch.Tensor:
     return h
 
 
-def _lut_words(entries: torch.Tensor) -> torch.Tensor:
-    """Codebook entries as decode's PTX lookups read them: fp16 (rounded as the select trees' float32 values are),
-    the low bytes of all entries, then the high bytes, four bytes an int32 word."""
-    bits = entries.to(torch.float32).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    halves = torch.cat([bits & 0xFF, bits >> 8]).view(-1, 4)
-    words = (halves << torch.tensor([0, 8, 16, 24])).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 @functools.lru_cache(maxsize=None)
 def _tables(head_dim: int, device: torch.device) -> dict:
     """Constant tensors the kernels read, built once per head_dim and device."""
@@ -2214,7 +2194,6 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
     tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
-    tables["key_lut"] = _lut_words(centroids).to(device)
 
     # value
     order = torch.arange(d)
@@ -2228,7 +2207,6 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
     tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
-    tables["value_lut"] = _lut_words(centroids).to(device)
     return tables
 
 
@@ -3084,13 +3062,11 @@ def decode(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
-        tables["key_lut"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
         tables["value_boundaries"],
-        tables["value_lut"],
         partial_out,
         partial_max,
         partial_sum,

@@ -17,6 +17,7 @@ Terms used across kvqc and the generated code:
 from __future__ import annotations
 
 import math
+import struct
 import textwrap
 from dataclasses import dataclass
 
@@ -789,8 +790,34 @@ class SideLayout:
 
     @property
     def lut_words(self) -> int:
-        """int32 words of the fp16 codebook the PTX lookups read (low bytes, then high bytes, four entries a word)."""
+        """int32 words of the fp16 codebook the PTX lookups read (low bytes, then high bytes, four entries a word);
+        lut1's two are its entries themselves, each in both halves (lut_expr)."""
+        if self.fast_unpack == "lut1":
+            return 2
         return 2 ** self.scheme.codebook.bits // 2 if self.scheme.codebook.kind == "lloyd_max" else 0
+
+    def lut_expr(self, i: int) -> str:
+        """Decode's lookup word i: a load from `tables["<side>_lut"]`, or for lut1 entry i's fp16 bits in both
+        halves, a number per head_dim that HEAD_DIM picks when the kernel is compiled. Triton moves a tile's change
+        into tl.dot's operand layout onto the code bytes only past a pure helper whose operands are loads or
+        constants, and a loaded word is neither (kernels/unpack.py.j2)."""
+        if self.lut_table:
+            return f"tl.load({self.name}_lut_ptr + {i})"
+        words = [(d, self._fp16_entries(d)[i] * 0x10001) for d in self.head_dims]
+        word = " else ".join([f"0x{w:08X} if HEAD_DIM == {d}" for d, w in words[:-1]] + [f"0x{words[-1][1]:08X}"])
+        return f"tl.full([], {word}, tl.uint32)"  # a negative entry's word is past int32's range
+
+    def _fp16_entries(self, head_dim: int) -> tuple[int, ...]:
+        """The codebook's entries at head_dim as fp16 bits, rounded as `_lut_words` and the select trees round them
+        (to float32, then to fp16)."""
+        rounded = (struct.unpack("<f", struct.pack("<f", c))[0] for c in self.centroids(head_dim))
+        return tuple(struct.unpack("<H", struct.pack("<e", c))[0] for c in rounded)
+
+    @property
+    def lut_table(self) -> bool:
+        """Decode reads this side's lookup words from `tables["<side>_lut"]` (`_lut_words`); lut1's are numbers in
+        the kernel (lut_expr)."""
+        return bool(self.fast_unpack and self.lut_words) and self.fast_unpack != "lut1"
 
     @property
     def word_unpack(self) -> str:
@@ -1406,7 +1433,7 @@ class Layout:
     @property
     def builds_lut_words(self) -> bool:
         """The module packs Lloyd-Max codebooks into decode's PTX lookup words (`_lut_words`)."""
-        return any(side.fast_unpack and side.lut_words for side in self.sides)
+        return any(side.lut_table for side in self.sides)
 
     @property
     def builds_interleaved_order(self) -> bool:
@@ -1712,7 +1739,7 @@ class Layout:
         params += [_positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens")]
         for side in self.sides:
             params += side.params
-            if side.fast_unpack and side.lut_words:
+            if side.lut_table:
                 params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
         for value in self.value_parts:
             params.append(_positional(f"partial_{value.tag}out_ptr",

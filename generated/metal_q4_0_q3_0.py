@@ -156,9 +156,6 @@ _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
-# K's scale groups take the query one group of columns at a time from _rotate_query_kernel's rows: the split kernels
-# do not rotate it themselves.
-_ROTATE_IN_DECODE = False
 
 
 @triton.jit
@@ -1809,8 +1806,8 @@ def _rotate_query_kernel(
     query_ptr, key_matrix_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROWS query rows, in the model's dtype, into position order in float32 for `_decode_kernel`: the signs, then
-    H_d as butterflies (position order is the rotated coordinates' order). Where _ROTATE_IN_DECODE is off: else
-    the split kernels rotate the query themselves (ROTATE)."""
+    H_d as butterflies (position order is the rotated coordinates' order). K's scale groups take the query one group of
+    columns at a time from its rows: the split kernels do not rotate it themselves."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # as in _decode_kernel
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -2517,9 +2514,7 @@ def _plan_decode(cache, block_tables, seq_lens, num_q_heads, dtype) -> DecodePla
     num_splits = max(1, min(wanted, _cdiv(capacity, split_chunk)))
     rows = batch * num_q_heads
     scratch = {}
-    if not _ROTATE_IN_DECODE:
-        # the query in position order
-        scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
+    scratch["rotated"] = torch.empty(rows, head_dim, dtype=torch.float32, device=device)  # the query in position order
     scratch["partial_out"] = torch.empty(rows, num_splits, head_dim, dtype=torch.float32, device=device)
     scratch["partial_max"] = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
     scratch["partial_sum"] = torch.empty_like(scratch["partial_max"])
@@ -2624,13 +2619,12 @@ def decode(
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
     q = query.reshape(batch * num_q_heads, head_dim)  # the kernels read it in its own dtype
-    if not _ROTATE_IN_DECODE:  # else the split kernels rotate the query as given (ROTATE)
-        _launch_at(
-            launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
-            q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
-            launch_pdl=pdl,
-        )
-        q = scratch["rotated"]  # in position order
+    _launch_at(
+        launches, ("rotate", *aligned), _rotate_query_kernel, (_cdiv(q.shape[0], 16),),
+        q.contiguous(), tables["key_matrix"], scratch["rotated"], q.shape[0], HEAD_DIM=head_dim, ROWS=16, PDL=pdl,
+        launch_pdl=pdl,
+    )
+    q = scratch["rotated"]  # in position order
     q = q.contiguous()
 
     block_n, num_warps, register_cap = plan.block_n, plan.num_warps, plan.register_cap

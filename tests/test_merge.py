@@ -176,10 +176,11 @@ def test_a_replay_follows_a_cache_changed_in_place(monkeypatch):
 @pytest.mark.parametrize("name", ["metal_q8_0_q3_0", "metal_uint2_q2_0"])
 def test_scale_group_dots_take_the_rotation_kernel(name):
     """K scale groups take one dot per group against the query's matching columns, read from the rotated query the
-    rotation kernel writes: such a scheme never rotates in its split kernels."""
+    rotation kernel writes: such a scheme never rotates in its split kernels, and has no switch that says so."""
     m = generated(name)
-    assert m._ROTATE_IN_DECODE is False
+    assert not hasattr(m, "_ROTATE_IN_DECODE")
     assert "rotated_0" not in inspect.getsource(m._decode_kernel.fn)
+    assert "_launch_at(\n        launches, (\"rotate\"" in inspect.getsource(m.decode)  # unconditionally
 
 
 @pytest.mark.parametrize("name", ["turbo_k4v2", "turbo_k2v2_ctr_w64", "sign1_window"])

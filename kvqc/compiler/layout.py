@@ -1485,17 +1485,18 @@ class Layout:
         """How decode's wrapper brings the query into the split kernels' position order, the piece it includes
         (templates/api/query/<name>.py.j2; "" where the kernels read it as given or rotate it themselves with
         `_ROTATE_IN_DECODE` on): a padded head by `_map_query_kernel` ("map_kernel"), by its rotation in torch
-        ("pad_matrix") or by scattering it to its positions ("pad_positions"); `_rotate_query_kernel` with K's QJL
-        projection ("project") or where the split kernels do not rotate it ("rotate"); a matrix in torch ("matrix").
+        ("pad_matrix") or by scattering it to its positions ("pad_positions"); `_rotate_query_kernel`, where the split
+        kernels cannot rotate it (K's scale groups, K's QJL projection: "rotate_apart") or `_ROTATE_IN_DECODE` is
+        off ("rotate"); a matrix in torch ("matrix").
         A channel split's parts move in `_query_parts_kernel` instead."""
         if self.split:
             return ""
         if self.padded:
             return "map_kernel" if self.maps_by_matrix else "pad_matrix" if self.key.uses_matrix else "pad_positions"
-        if self.projects_query:
-            return "project"
-        if self.rotates_query:
+        if self.fuses_query_rotation:
             return "rotate"
+        if self.rotates_query:
+            return "rotate_apart"
         return "matrix" if self.key.uses_matrix else ""
 
     @property

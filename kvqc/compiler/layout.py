@@ -820,6 +820,25 @@ class SideLayout:
         return bool(self.fast_unpack and self.lut_words) and self.fast_unpack != "lut1"
 
     @property
+    def decode_tiles(self) -> str:
+        """How decode turns this side's code bytes into its dots, the piece templates/kernels/decode/ holds for it
+        (key_<name> for K's scores, value_<name> for V's accumulators): a dot per scale group ("group_dots"), K's
+        per-channel scales folded into the query ("channel_dots"), V read as 32-bit words ("words"), two chunks a
+        helper call ("pairs"), a PTX helper gathering each tile's bits from the planes ("planes") or unpacking a
+        chunk's bytes ("bytes"), or the portable shifts, masks and select trees ("portable")."""
+        if self.group_dots:
+            return "group_dots"
+        if self.channel_dots:
+            return "channel_dots"
+        if self.word_unpack:
+            return "words"
+        if self.pairs:
+            return "pairs"
+        if self.fast_unpack:
+            return "planes" if self.plane_unpack else "bytes"
+        return "portable"
+
+    @property
     def word_unpack(self) -> str:
         """"u4" where decode reads V's u4 codes as 32-bit words: tl.dot wants V's operand in pairs along tokens, and
         a word of a token and one of the next make eight such pairs with four prmt. u8 and lut2 codes gain nothing

@@ -1,6 +1,7 @@
 """kvqc resources without a GPU: kernels compiled for an H100 (sm_90) fit its shared memory. The interpreter that
 checks kernels on CPU has no such limit, and a GPU refuses a kernel that asks for more at its first launch."""
 
+import functools
 import json
 
 import pytest
@@ -20,10 +21,17 @@ def test_tile_loops_lose_stages_only_where_their_matrices_pass_an_sm(scheme, sta
     assert plan(load_scheme(SCHEMES / f"{scheme}.yaml")).loop_stages == stages
 
 
+@functools.lru_cache(maxsize=None)
+def launches_at_256(scheme: str) -> tuple:
+    """The scheme's fill, decode and flatten launches at head_dim 256, recorded under the interpreter once for the
+    tests below (recording the QJL scheme's takes most of their time)."""
+    return tuple(resources._step("record", scheme, "256", interpret=True))
+
+
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5"])
 def test_kernels_fit_an_sm_at_head_dim_256(scheme):
     # Their fill and flatten load d x d matrices in the tile loop, which every pipeline stage copies.
-    rows = resources.measure(scheme, 256)
+    rows = resources.measure(scheme, 256, launches=list(launches_at_256(scheme)))
     assert {"_fill_kernel", "_decode_kernel", "_flatten_kernel"} <= {row["kernel"] for row in rows}
     for row in rows:
         assert "error" not in row, row
@@ -33,8 +41,8 @@ def test_kernels_fit_an_sm_at_head_dim_256(scheme):
 
 def test_a_kernel_past_an_sm_is_reported():
     # The QJL flatten at head_dim 256 with Triton's own 3 stages: three copies of the 256 KiB projection.
-    launches = resources._step("record", "turbo_qjl_k3v3", "256", interpret=True)
-    flatten = next(launch for launch in launches if launch["kernel"] == "_flatten_kernel")
+    launches = launches_at_256("turbo_qjl_k3v3")
+    flatten = next(dict(launch) for launch in launches if launch["kernel"] == "_flatten_kernel")
     assert flatten["options"] == {"num_stages": 1}
     flatten["options"] = {"num_stages": 3}
     (row,) = resources._step("compile", "turbo_qjl_k3v3", json.dumps([flatten]), interpret=False)

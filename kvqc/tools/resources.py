@@ -63,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any("error" in r or r["shared"] > SM90_SHARED for r in rows) else 0
 
 
-def measure(scheme: str, head_dim: int) -> list[dict]:
+def measure(scheme: str, head_dim: int, launches: list[dict] | None = None) -> list[dict]:
     """Every kernel fill, decode and flatten launch for this scheme and head_dim, compiled for sm_90: one dict each
-    (scheme, head_dim, kernel, shared bytes, registers, stack bytes; or error)."""
-    launches = _step("record", scheme, str(head_dim), interpret=True)
+    (scheme, head_dim, kernel, shared bytes, registers, stack bytes; or error). `launches`: those `record` gave
+    already, where the caller has them."""
+    if launches is None:
+        launches = _step("record", scheme, str(head_dim), interpret=True)
     rows = _step("compile", scheme, json.dumps(launches), interpret=False)
     return [{"scheme": scheme, "head_dim": head_dim, **row} for row in rows]
 

@@ -1309,7 +1309,8 @@ class Layout:
 
     @property
     def decode_splits(self) -> str:
-        """The split programs the quantized-cache kernel takes of num_splits (the window kernel takes the last)."""
+        """The split programs the quantized-cache kernels take of num_splits (the window kernel takes the last): their
+        grid, and the share of a sequence each takes."""
         return "num_splits - 1" if self.window else "num_splits"
 
     @property

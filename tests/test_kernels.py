@@ -200,7 +200,8 @@ def test_kernels_match_reference(name, c):
 
 
 # Test-only schemes for template branches no shipped scheme takes (scale groups on V, padded chunks with groups,
-# QJL or interleaved packing, rotated fp8, per-token absmax, the unbiased scale with a sign residual).
+# QJL or interleaved packing, V's QJL without a rotation, rotated fp8, per-token absmax, the unbiased scale with a
+# sign residual).
 EXTRA = sorted(str(p) for p in (ROOT / "tests" / "schemes").glob("*.yaml"))
 
 

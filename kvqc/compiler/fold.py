@@ -4,8 +4,9 @@ Templates write an index as every term it may have (`row * WIDTH + FIELD`, `c * 
 the widths of one and the offsets of zero that some schemes give; this pass leaves those terms out of the source.
 A zero in a sum may be a product of constants (`+ 0 * CHUNK`: integer literals and capitalised names, the kernels'
 constexprs). Only integer literals count (`x * 1.0` and `x + 0.0` stay: they can change a dtype or a signed zero),
-and only code: strings and comments are kept as written. The caller checks that the result's syntax tree is the rendered
-one with those identities applied (`folded_tree`), so a fold can drop terms and never change anything else.
+and only code: strings and comments are kept as written. Parentheses left around one name go too. The caller checks
+that the result's syntax tree is the rendered one with those identities applied (`folded_tree`), so a fold can drop
+terms and never change anything else.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*")  # a constexpr or module constant, an
 
 
 def fold(source: str) -> str:
-    """`source` with every `x * 1`, `1 * x`, `x + 0` and `0 + x` (integer literals, in code) reduced to `x`."""
+    """`source` with every `x * 1`, `1 * x`, `x + 0` and `0 + x` (integer literals, in code; a zero may be a product
+    of constants) reduced to `x`, and no parentheses around one name."""
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
               if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
     cuts: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (start, end) spans to delete

@@ -64,7 +64,8 @@ class Plane:
 
 
 def _bytes_expr(width: str, bits: int) -> str:
-    """The bytes `width` codes of `bits` bits take, as a person writes it ("0", "HEAD_DIM // 4", "HEAD_DIM * 3 // 8")."""
+    """The bytes `width` codes of `bits` bits take, as a person writes it: "0", "HEAD_DIM // 4",
+    "HEAD_DIM * 3 // 8"."""
     if bits == 0:
         return "0"
     if bits % 8 == 0:
@@ -976,8 +977,8 @@ class SideLayout:
         the value's sign), "scan" (|value| against each positive boundary) or "bisect" (a binary search, where a
         centroid is carried over 8 levels: on an H100, turbo_eden_k4v2's fill at 42% of copy bandwidth against the
         scan's 36%; without a centroid (turbo_k4mse_v2 50% against 52.5%) or over 4 levels (turbo_k4v2, 10% more
-        instructions) the scan is faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a binary search over the
-        table, over 16 levels)."""
+        instructions) the scan is faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a
+        binary search over the table, over 16 levels)."""
         if not self.lloyd_max:
             return ""
         if self.symmetric:
@@ -1129,11 +1130,13 @@ class SideLayout:
         planes = ", ".join(str(plane.width) for plane in self.planes)
         n, fields, group = len(self.metadata), ", ".join(self.metadata), self.group_size
         meta = f"{n}: {fields}"
+        code_bytes = _bytes_expr(width, self.code_bits).replace("//", "/")
         if group:
             per_group = f"{n} * " if n > 1 else ""
-            meta = f"{per_group}{'channels' if self.split else 'head_dim'} / {group}: {fields} per group of {group} channels"
+            channels = "channels" if self.split else "head_dim"
+            meta = f"{per_group}{channels} / {group}: {fields} per group of {group} channels"
         return (
-            f"    {self.name}_codes: uint8, last dim {_bytes_expr(width, self.code_bits).replace('//', '/')} (bit planes {planes}, "
+            f"    {self.name}_codes: uint8, last dim {code_bytes} (bit planes {planes}, "
             f"{self.packing} packing)\n"
             f"    {self.name}_meta:  model dtype, last dim {meta}"
         )

@@ -31,8 +31,7 @@ _CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*")  # a constexpr or module constant, an
 def fold(source: str) -> str:
     """`source` with every `x * 1`, `1 * x`, `x + 0` and `0 + x` (integer literals, in code; a zero may be a product
     of constants) reduced to `x`, and no parentheses around one name."""
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    tokens = _code_tokens(source)
     cuts: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (start, end) spans to delete
     gone: set[int] = set()  # tokens an earlier cut took
 
@@ -73,8 +72,7 @@ def fold(source: str) -> str:
 def _bare(source: str) -> str:
     """`source` without the parentheses around one name (with its attributes, calls and subscripts) that a fold
     left, or a template wrote: `(key_chunk[:, None]) * WIDTH` is `key_chunk[:, None] * WIDTH`."""
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    tokens = _code_tokens(source)
     cuts = []
     for a, tok in enumerate(tokens):
         if tok.string != "(" or a == 0 or tokens[a - 1].string not in _BEFORE_GROUP:
@@ -133,6 +131,12 @@ def _constant(tok: tokenize.TokenInfo) -> bool:
 
 def _ends_operand(tok: tokenize.TokenInfo) -> bool:
     return tok.type in (tokenize.NAME, tokenize.NUMBER, tokenize.STRING) or tok.string in (")", "]", "}")
+
+
+def _code_tokens(source: str) -> list[tokenize.TokenInfo]:
+    """The tokens of `source` that code is made of: no comments, line continuations or indentation."""
+    return [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
 
 
 def _cut(source: str, cuts: list[tuple[tuple[int, int], tuple[int, int]]]) -> str:

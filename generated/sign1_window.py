@@ -220,19 +220,25 @@ def _fill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
     pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
-    head = tl.program_id(1)
+    if HEADS_FASTEST:  # axis 0 is (program, KV head), a program's KV heads side by side (see _heads_fastest)
+        program = tl.program_id(0) // NUM_KV_HEADS
+        head = tl.program_id(0) % NUM_KV_HEADS
+    else:
+        program = tl.program_id(0)
+        head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
     for i in range(tiles):
-        token = (tl.program_id(0) * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token = (program * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
@@ -748,13 +754,18 @@ def _flatten_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(2)
+    if HEADS_FASTEST:  # axis 0 is (sequence, KV head), a sequence's KV heads side by side (see _heads_fastest)
+        seq = tl.program_id(0) // NUM_KV_HEADS
+        head = tl.program_id(0) % NUM_KV_HEADS
+    else:
+        seq = tl.program_id(0)
+        head = tl.program_id(2)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
@@ -1466,6 +1477,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -1487,9 +1499,14 @@ def _decode_kernel(
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
         # for its writes (the query, the cache) before the first load.
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if HEADS_FASTEST:  # axis 0 is (sequence, KV head), a sequence's KV heads side by side (see _heads_fastest)
+        seq = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        split = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     seq_len = tl.maximum(seq_len - 64, 0)  # the last 64 tokens are _window_decode_kernel's
     # Each sequence's tokens are split evenly over the split programs, in whole SPLIT_CHUNKs: the grid depends on the
@@ -2113,8 +2130,9 @@ def _window_decode_kernel(
     Its output goes to position order, as the quantized splits' is, for the merge to rotate back. With MERGE
     it then merges the sequence's splits for this KV head's query heads: _decode_kernel's ran before it, on
     the same stream."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Axis 0 is (sequence, KV head) with the heads fastest: the ring holds a token's KV heads in adjacent rows.
+    seq = tl.program_id(0) // NUM_KV_HEADS
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
     seq_len = tl.load(seq_lens_ptr + seq)
     ring = tl.load(window_index_ptr + seq).to(tl.int64)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
@@ -2596,10 +2614,11 @@ def fill(
     # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
     num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
     per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
-    programs = max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads)
-    tiles = _cdiv(num_tiles, programs)
-    grid = (_cdiv(num_tiles, tiles), cache.num_kv_heads)
+    tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
+    programs = _cdiv(num_tiles, tiles)  # a KV head's
     stages = _LOOP_STAGES.get(cache.head_dim, 3)
+    heads_fastest = _heads_fastest(cache)
+    grid = (programs * cache.num_kv_heads,) if heads_fastest else (programs, cache.num_kv_heads)
     _launch(
         _fill_kernel, grid,
         key,
@@ -2625,6 +2644,7 @@ def fill(
         NUM_KV_HEADS=cache.num_kv_heads,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
+        HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
@@ -2775,7 +2795,9 @@ def flatten(
     if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
         batch_heads = block_tables.shape[0] * cache.num_kv_heads
         tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
-    grid = (block_tables.shape[0], tiles, cache.num_kv_heads)
+    heads_fastest = _heads_fastest(cache)
+    batch = block_tables.shape[0]
+    grid = (batch * cache.num_kv_heads, tiles) if heads_fastest else (batch, tiles, cache.num_kv_heads)
     _launch(
         _flatten_kernel, grid,
         key,
@@ -2807,6 +2829,7 @@ def flatten(
         HEAD_DIM=cache.head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
+        HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
         num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
@@ -3052,8 +3075,13 @@ def decode(
         merged = target.view(batch * num_q_heads, head_dim)  # the caller's rows, written in place
     elif merging:
         merged = torch.empty(batch * num_q_heads, head_dim, dtype=query.dtype, device=device)
+    heads_fastest = _heads_fastest(cache)
+    if heads_fastest:
+        grid = (batch * cache.num_kv_heads, num_splits - 1)
+    else:
+        grid = (batch, cache.num_kv_heads, num_splits - 1)
     _launch_at(
-        launches, ("decode", *aligned), _decode_kernel, (batch, cache.num_kv_heads, num_splits - 1),
+        launches, ("decode", *aligned), _decode_kernel, grid,
         q,
         block_tables,
         seq_lens,
@@ -3081,6 +3109,7 @@ def decode(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
+        HEADS_FASTEST=heads_fastest,
         BLOCK_N=block_n,
         SPLIT_CHUNK=plan.split_chunk,
         DOT_DTYPE=_DOT_DTYPES[query.dtype],
@@ -3095,7 +3124,7 @@ def decode(
         launch_pdl=pdl,
     )
     _launch_at(
-        launches, ("window", *aligned), _window_decode_kernel, (batch, cache.num_kv_heads),
+        launches, ("window", *aligned), _window_decode_kernel, (batch * cache.num_kv_heads,),
         q_input.contiguous(),
         seq_lens,
         window_index,
@@ -3308,6 +3337,15 @@ def _row_strides(cache: KVCache) -> dict:
     if cache.layout == "bhsd":
         return {"HEAD_STRIDE": cache.block_size, "TOKEN_STRIDE": 1}
     return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
+
+
+def _heads_fastest(cache: KVCache) -> bool:
+    """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
+    kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
+    together then read and write the same tokens' rows, not one head's rows of many sequences: an H100 decodes
+    int4_token's token-major cache at head-major speed this way. Head-major blocks keep the rows fastest, which decodes
+    as fast or faster there."""
+    return cache.layout == "bshd"
 
 
 def _decode_config(head_dim: int) -> tuple:

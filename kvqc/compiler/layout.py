@@ -51,6 +51,9 @@ def _constexpr(name: str, value: str) -> KernelParam:
 
 # A cache row's strides, which `_row_strides(cache)` gives for the cache's layout.
 _ROW_STRIDES = KernelParam(("HEAD_STRIDE: tl.constexpr", "TOKEN_STRIDE: tl.constexpr"), "**_row_strides(cache)")
+# Whether the grid puts a row's KV heads side by side on axis 0: the wrapper's `heads_fastest = _heads_fastest(cache)`
+# shapes the grid and tells the kernel.
+_HEADS_FASTEST = KernelParam(("HEADS_FASTEST: tl.constexpr",), "HEADS_FASTEST=heads_fastest")
 
 
 @dataclass(frozen=True)
@@ -1790,6 +1793,7 @@ class Layout:
         params += [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
+            _HEADS_FASTEST,
             _constexpr("BLOCK_N", "block_n"),
             _constexpr("SPLIT_CHUNK", "plan.split_chunk"),
             _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype]"),
@@ -1953,8 +1957,7 @@ class Layout:
         if self.fill_loops:
             params.append(_positional("tiles", "tiles"))
         params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
-                   _ROW_STRIDES,
-                   _constexpr("HEAD_DIM", "cache.head_dim")]
+                   _ROW_STRIDES, _HEADS_FASTEST, _constexpr("HEAD_DIM", "cache.head_dim")]
         params += self._widths("cache.head_dim") + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FILL_IN_BLOCK")))
@@ -1990,6 +1993,7 @@ class Layout:
         params += self._widths("cache.head_dim") + [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
+            _HEADS_FASTEST,
             _constexpr("BLOCK_T", "_FLATTEN_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FLATTEN_IN_BLOCK")))

@@ -23,6 +23,15 @@ def _row_strides(cache: KVCache) -> dict:
     return {"HEAD_STRIDE": 1, "TOKEN_STRIDE": cache.num_kv_heads}
 
 
+def _heads_fastest(cache: KVCache) -> bool:
+    """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
+    kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
+    together then read and write the same tokens' rows, not one head's rows of many sequences: an H100 decodes
+    int4_token's token-major cache at head-major speed this way. Head-major blocks keep the rows fastest, which decodes
+    as fast or faster there."""
+    return cache.layout == "bshd"
+
+
 def _decode_config(head_dim: int) -> tuple:
     """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
     head_dim."""

@@ -2117,6 +2117,7 @@ def _window_decode_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -2130,9 +2131,12 @@ def _window_decode_kernel(
     Its output goes to position order, as the quantized splits' is, for the merge to rotate back. With MERGE
     it then merges the sequence's splits for this KV head's query heads: _decode_kernel's ran before it, on
     the same stream."""
-    # Axis 0 is (sequence, KV head) with the heads fastest: the ring holds a token's KV heads in adjacent rows.
-    seq = tl.program_id(0) // NUM_KV_HEADS
-    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    if HEADS_FASTEST:  # _decode_kernel's order
+        seq = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     ring = tl.load(window_index_ptr + seq).to(tl.int64)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
@@ -3124,7 +3128,7 @@ def decode(
         launch_pdl=pdl,
     )
     _launch_at(
-        launches, ("window", *aligned), _window_decode_kernel, (batch * cache.num_kv_heads,),
+        launches, ("window", *aligned), _window_decode_kernel, grid[:-1],  # _decode_kernel's, less its splits
         q_input.contiguous(),
         seq_lens,
         window_index,
@@ -3141,6 +3145,7 @@ def decode(
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, _pow2(group)),
+        HEADS_FASTEST=heads_fastest,
         HEAD_DIM=head_dim,
         D_PAD=_pow2(head_dim),
         WINDOW=WINDOW,

@@ -2525,7 +2525,7 @@ def flatten(
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
     tables = _tables(cache.head_dim, cache.device)
-    tiles = _cdiv(longest, _FLATTEN_BLOCK_T)
+    tiles = min(_cdiv(longest, _FLATTEN_BLOCK_T), _MAX_GRID_YZ)  # the programs stride over the rest
     if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
         batch_heads = block_tables.shape[0] * cache.num_kv_heads
         tiles = min(tiles, max(1, _cdiv(_target_programs(cache.device, _FLATTEN_PROGRAMS_PER_SM), batch_heads)))
@@ -3063,6 +3063,10 @@ def _check_block_ids(cache: KVCache, block_tables: torch.Tensor, seq_lens: torch
         )
 
 
+# CUDA launches at most this many programs along a grid's axes 1 and 2.
+_MAX_GRID_YZ = 65535
+
+
 def _row_strides(cache: KVCache) -> dict:
     """Rows (token, head pairs) between a block's KV heads and between its consecutive tokens, for the kernels'
     row = block * block_size * num_kv_heads + offset * TOKEN_STRIDE + head * HEAD_STRIDE."""
@@ -3074,9 +3078,9 @@ def _row_strides(cache: KVCache) -> dict:
 def _heads_fastest(cache: KVCache) -> bool:
     """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
     kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
-    together then read and write the same tokens' rows, not one head's rows of many sequences: an H100 decodes
-    int4_token's token-major cache at head-major speed this way. Head-major blocks keep the rows fastest, which decodes
-    as fast or faster there."""
+    together then read and write the same tokens' rows, not one head's rows of many sequences: on an H100 the per-token
+    schemes then decode a token-major cache within a few percent of a head-major one. Head-major blocks keep the rows
+    fastest, which decodes as fast or faster there."""
     return cache.layout == "bshd"
 
 

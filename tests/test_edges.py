@@ -887,6 +887,33 @@ def test_kernels_mask_bad_indices_when_unchecked(name, monkeypatch):
     torch.testing.assert_close(out.cpu(), without.cpu())
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_flatten_strides_past_the_grid_limit(name, layout, monkeypatch):
+    """CUDA takes at most 65535 programs along a grid's axis 1, where flatten puts a sequence's tiles: a sequence with
+    more tiles launches that many and each program strides over the rest. With the limit set to one program, every
+    row comes out as with a program per tile, on either cache layout (whose grids differ)."""
+    m = generated(name)
+    BS, tokens = 4, 3 * m._FLATTEN_BLOCK_T + 5
+    nb = math.ceil(tokens / BS)
+    cache = m.allocate_cache(nb, BS, 2, D, device=DEVICE, layout=layout)
+    m.fill(cache, *dev(randn(tokens, 2, D, seed=99), randn(tokens, 2, D, seed=100), torch.arange(tokens)))
+    table, lens = torch.arange(nb, dtype=torch.int32, device=DEVICE)[None], torch.tensor([tokens], dtype=torch.int32)
+    want = m.flatten(cache, table, lens)
+    grids, launch = [], m._launch
+
+    def recorded(kernel, grid, *args, **constexprs):
+        grids.append(grid)
+        return launch(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(m, "_launch", recorded)
+    monkeypatch.setattr(m, "_MAX_GRID_YZ", 1)
+    got = m.flatten(cache, table, lens)
+    assert [g[1] for g in grids] == [1], grids
+    for w, g in zip(want, got):
+        assert torch.equal(w.cpu(), g.cpu())
+
+
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="host seq_lens differ from device ones only beside a GPU cache")
 @pytest.mark.parametrize("name", SCHEMES)
 def test_flatten_takes_host_seq_lens(name):

@@ -425,12 +425,12 @@ class SideLayout:
         chunks (`<side>_pair_<plane>_<j>`)."""
         out = []
         for i, plane in enumerate(self.planes):
-            at = f" + {self.plane_offsets_expr[i]}" if self.plane_offsets_expr[i] != "0" else ""
+            at = f" + {self.plane_offsets_expr[i]}"  # render's fold leaves out a zero offset
             if i == 0:
                 out.append((f"{self.name}_pair_0", f"{at} + ({self.name}_pair % {self.name.upper()}_CHUNK)[None, :]"))
                 continue
             for j in range(self.ranges(plane) // 2):
-                run = f" + {j} * 2 * {self.name.upper()}_CHUNK" if j else ""
+                run = f" + {j} * 2 * {self.name.upper()}_CHUNK"
                 out.append((f"{self.name}_pair_{i}_{j}", f"{at}{run} + {self.name}_pair[None, :]"))
         return tuple(out)
 

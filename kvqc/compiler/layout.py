@@ -34,6 +34,7 @@ class KernelParam:
     names: tuple[str, ...]
     arg: str
     note: str = ""
+    table: bool = False  # arg is one of `_tables`' entries
 
     @property
     def line(self) -> str:
@@ -43,6 +44,11 @@ class KernelParam:
 
 def _positional(name: str, arg: str, note: str = "") -> KernelParam:
     return KernelParam((name,), arg, note)
+
+
+def _table(name: str, key: str) -> KernelParam:
+    """A pointer to `_tables`' entry `key`: the wrapper binds `tables = _tables(...)` before the launch."""
+    return KernelParam((name,), f'tables["{key}"]', table=True)
 
 
 def _constexpr(name: str, value: str) -> KernelParam:
@@ -356,7 +362,7 @@ class SideLayout:
         """The kernel parameters for this part's cache tensors and constant tables, in order, with the wrappers'
         arguments for them: the cache's tensors and the module's tables."""
         cache = [_positional(f"{self.name}_{field}_ptr", f"cache.{self.name}_{field}") for field in ("codes", "meta")]
-        return tuple(cache + [_positional(f"{self.name}_{table}_ptr", f'tables["{self.name}_{table}"]')
+        return tuple(cache + [_table(f"{self.name}_{table}_ptr", f"{self.name}_{table}")
                               for table in self.tables])
 
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
@@ -1434,12 +1440,12 @@ class Layout:
     @property
     def fill_reads_tables(self) -> bool:
         """fill passes some of `_tables` to its kernel."""
-        return any("tables[" in p.arg for p in self.fill_params)
+        return any(p.table for p in self.fill_params)
 
     @property
     def flatten_reads_tables(self) -> bool:
         """flatten passes some of `_tables` to its kernel."""
-        return any("tables[" in p.arg for p in self.flatten_params)
+        return any(p.table for p in self.flatten_params)
 
     @property
     def builds_hadamard(self) -> bool:
@@ -1767,7 +1773,7 @@ class Layout:
         for side in self.sides:
             params += side.params
             if side.lut_table:
-                params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
+                params.append(_table(f"{side.name}_lut_ptr", f"{side.name}_lut"))
         for value in self.value_parts:
             params.append(_positional(f"partial_{value.tag}out_ptr",
                                       f'partials["{value.name}"]' if split else "partial_out"))
@@ -1818,9 +1824,9 @@ class Layout:
             params.append(_positional("key_channels_ptr", '_channels(cache, "key")'))
         for key in self.key_parts:
             if key.uses_matrix:
-                params.append(_positional(f"{key.name}_rotation_ptr", f'tables["{key.name}_rotation"]'))
+                params.append(_table(f"{key.name}_rotation_ptr", f"{key.name}_rotation"))
             if key.qjl:
-                params.append(_positional(f"{key.name}_qjl_ptr", f'tables["{key.name}_qjl"]'))
+                params.append(_table(f"{key.name}_qjl_ptr", f"{key.name}_qjl"))
             params.append(_positional(f"query_{key.tag}out_ptr", f'scratch["query_{key.name}"]'))
             if key.qjl:
                 params.append(_positional(f"query_{key.tag}qjl_out_ptr", f'scratch["query_{key.name}_qjl"]'))
@@ -1840,9 +1846,9 @@ class Layout:
             params.append(_positional(f"partial_{value.tag}out_ptr", f'partials["{value.name}"]'))
             if value.qjl:
                 params += [_positional(f"partial_{value.tag}qjl_ptr", f'partials["{value.name}_qjl"]'),
-                           _positional(f"{value.name}_qjl_ptr", f'tables["{value.name}_qjl"]')]
+                           _table(f"{value.name}_qjl_ptr", f"{value.name}_qjl")]
             if value.uses_matrix:
-                params.append(_positional(f"{value.name}_rotation_ptr", f'tables["{value.name}_rotation"]'))
+                params.append(_table(f"{value.name}_rotation_ptr", f"{value.name}_rotation"))
         if "value" in self.split_bases:
             params.append(_positional("value_channels_ptr", '_channels(cache, "value")'))
         params += [_positional("partial_max_ptr", "partial_max"), _positional("partial_sum_ptr", "partial_sum"),
@@ -1875,9 +1881,9 @@ class Layout:
         rows' scratch (and the QJL projection with its scratch where decode projects the query), the row count;
         then the constexprs."""
         params = [_positional("query_ptr", "q" if self.projects_query else "q.contiguous()"),
-                  _positional("key_matrix_ptr", 'tables["key_matrix"]'), _positional("out_ptr", 'scratch["rotated"]')]
+                  _table("key_matrix_ptr", "key_matrix"), _positional("out_ptr", 'scratch["rotated"]')]
         if self.projects_query:
-            params += [_positional("key_qjl_ptr", 'tables["key_qjl"]'),
+            params += [_table("key_qjl_ptr", "key_qjl"),
                        _positional("projected_ptr", 'scratch["projected"]')]
         params += [_positional("rows", "q.shape[0]"), _constexpr("HEAD_DIM", "head_dim"), _constexpr("ROWS", "16")]
         if self.projects_query:
@@ -1910,7 +1916,7 @@ class Layout:
         if self.centered:
             params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
         if self.rotates_output:
-            params.append(_positional("value_matrix_ptr", 'tables["value_matrix"]'))
+            params.append(_table("value_matrix_ptr", "value_matrix"))
         params += [_positional("partial_out_ptr", "partial_out"), _positional("partial_max_ptr", "partial_max"),
                    _positional("partial_sum_ptr", "partial_sum")]
         if self.decode_merge:
@@ -1979,7 +1985,7 @@ class Layout:
         for side in self.sides:
             params += side.params
             if side.flatten_fast and side.lut_words:
-                params.append(_positional(f"{side.name}_lut_ptr", f'tables["{side.name}_lut"]'))
+                params.append(_table(f"{side.name}_lut_ptr", f"{side.name}_lut"))
         if self.window:
             params += [_positional("window_index_ptr", "window_index"),
                        _positional("key_window_ptr", "cache.key_window"),

@@ -1,5 +1,7 @@
 """kvqc bench's pure parts on CPU: the table row and the speedup plot (no timing here; timing needs a GPU)."""
 
+import argparse
+
 import pytest
 from kvqc.tools import bench
 
@@ -29,3 +31,28 @@ def test_plot_refuses_nothing_measured(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError):
         bench.plot([{"scheme": "a", "status": "error"}], str(tmp_path / "x.png"))
+
+
+def test_layout_takes_one_or_both():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).layout == ["bhsd"]
+    assert parser.parse_args(["--layout", "bshd", "bhsd"]).layout == ["bshd", "bhsd"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--layout", "hsd"])
+
+
+def test_plot_draws_a_line_per_scheme_and_layout(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    labels = []
+    draw = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **kw: labels.append(kw.get("label"))
+                        or draw(ax, *a, **kw))
+    rows = [row("a", n, 2.0, layout=layout) for layout in ("bhsd", "bshd") for n in (1024, 8192)]
+    bench.plot(rows, str(tmp_path / "both.png"))
+    assert {"a bhsd (eager)", "a bshd (eager)"} <= set(labels)
+    labels.clear()
+    bench.plot(rows[:2], str(tmp_path / "one.png"))
+    assert "a (eager)" in labels

@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-heads", type=int, default=32, help="query heads (default: 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default: 8)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block (default: 64)")
-    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
-                        help="cache layout: head-major blocks (allocate_cache's default) or token-major (default: bhsd)")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), nargs="+", default=["bhsd"],
+                        help="cache layouts: head-major blocks (allocate_cache's default), token-major, or both, each "
+                             "shape measured on each in the same run (default: bhsd)")
     parser.add_argument("--json", default="bench-results.json", metavar="FILE",
                         help="where to write the results (default: bench-results.json)")
     parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
@@ -521,28 +522,33 @@ def _write_json(path: str, header: dict, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str, device: str = "") -> None:
-    """Decode's speedup over fp16 SDPA against context length, one line per scheme (dashed: both in CUDA graphs),
-    one panel per (batch, d)."""
+    """Decode's speedup over fp16 SDPA against context length, one line per scheme (and cache layout, where rows
+    hold several; dashed: both in CUDA graphs), one panel per (batch, d)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("status") == "ok" and r.get("speedup") is not None]
+    several = len({r.get("layout", "bhsd") for r in ok}) > 1  # then a line per scheme and layout
+
+    def label(r: dict) -> str:
+        return f"{r['scheme']} {r.get('layout', 'bhsd')}" if several else r["scheme"]
+
     panels = sorted({(r["batch"], r["head_dim"]) for r in ok})
     if not panels:
         raise ValueError("no measured speedups to plot")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
     for ax, (b, d) in zip(axes[0], panels):
-        for scheme in sorted({r["scheme"] for r in ok}):
-            mine = [r for r in ok if r["scheme"] == scheme and r["batch"] == b and r["head_dim"] == d]
+        for line_label in sorted({label(r) for r in ok}):
+            mine = [r for r in ok if label(r) == line_label and r["batch"] == b and r["head_dim"] == d]
             pts = sorted((r["context"], r["speedup"]) for r in mine)
             if pts:
-                line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{scheme} (eager)")
+                line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{line_label} (eager)")
                 graph = sorted((r["context"], r["graph_speedup"]) for r in mine if r.get("graph_speedup") is not None)
                 if graph:
                     ax.plot([x for x, _ in graph], [y for _, y in graph], marker="s", linestyle="--",
-                            color=line.get_color(), label=f"{scheme} (CUDA graph)")
+                            color=line.get_color(), label=f"{line_label} (CUDA graph)")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
@@ -587,10 +593,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"torch {header['torch']}, triton {header['triton']}")
     print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
           f"L2 {header['l2_bytes'] / MiB:.0f} MiB")
-    print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}, layout {args.layout}; "
+    layouts = list(dict.fromkeys(args.layout))
+    print(f"heads: {args.q_heads} query / {args.kv_heads} KV, block_size {args.block_size}; "
           f"err = rel L2 of decode vs SDPA on the flattened cache ('!' above {ERR_WARN:g}); attend: "
           f"{ATTEND_TOKENS} causal query tokens per sequence; MiB columns: peak allocation beyond the cache")
-    cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size, "layout": args.layout,
+    cfg = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
            "copy_gbps": bandwidth, "l2_bytes": header["l2_bytes"], "decode_only": args.decode_only}
     grid = shapes(args.batch, args.context, args.head_dim, args.quick)
     rows: list[dict] = []
@@ -598,19 +605,20 @@ def run(args: argparse.Namespace) -> int:
 
     for path in modules:
         name = path.stem.split("-")[0]  # a module rendered from a .yaml is cached as <name>-<hash>.py
-        print(f"\n{name} ({path}); flatten's time includes its host read of seq_lens")
         try:
             module = load(path)
         except Exception as exc:
-            print(f"  could not import: {type(exc).__name__}: {exc}")
+            print(f"\n{name} ({path}): could not import: {type(exc).__name__}: {exc}")
             rows.append({"scheme": name, "status": "error", "note": f"import: {type(exc).__name__}: {exc}"})
             continue
-        print(table_header(), flush=True)
-        for shape in grid:
-            row = bench_shape(module, name, shape, cfg)
-            rows.append(row)
-            print(format_row(row), flush=True)
-            _write_json(args.json, header, rows)  # after every shape, so a run cut short keeps what it measured
+        for layout in layouts:
+            print(f"\n{name} ({path}), layout {layout}; flatten's time includes its host read of seq_lens")
+            print(table_header(), flush=True)
+            for shape in grid:
+                row = bench_shape(module, name, shape, cfg | {"layout": layout})
+                rows.append(row)
+                print(format_row(row), flush=True)
+                _write_json(args.json, header, rows)  # after every shape, so a run cut short keeps what it measured
     _write_json(args.json, header, rows)
     print(f"\nresults: {args.json}")
     if args.plot:

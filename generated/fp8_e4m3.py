@@ -157,13 +157,14 @@ def _fill_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
-    if HEADS_FASTEST:  # axis 0 is (program, KV head), a program's KV heads side by side (see _heads_fastest)
-        program = tl.program_id(0) // NUM_KV_HEADS
+    # `share`: which of a KV head's programs this is, each with its own share of the tokens.
+    if HEADS_FASTEST:  # axis 0 is (share, KV head), a share's KV heads side by side (see _heads_fastest)
+        share = tl.program_id(0) // NUM_KV_HEADS
         head = tl.program_id(0) % NUM_KV_HEADS
     else:
-        program = tl.program_id(0)
+        share = tl.program_id(0)
         head = tl.program_id(1)
-    token = program * BLOCK_T + tl.arange(0, BLOCK_T)
+    token = share * BLOCK_T + tl.arange(0, BLOCK_T)
     KEY_CHUNK: tl.constexpr = HEAD_DIM
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM
@@ -954,9 +955,9 @@ def fill(
             raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {num_slots} slots")
     if num_tokens == 0:
         return
-    programs = _cdiv(num_tokens, _FILL_BLOCK_T)  # a KV head's
+    shares = _cdiv(num_tokens, _FILL_BLOCK_T)  # a KV head's programs
     heads_fastest = _heads_fastest(cache)
-    grid = (programs * cache.num_kv_heads,) if heads_fastest else (programs, cache.num_kv_heads)
+    grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(
         _fill_kernel, grid,
         key,
@@ -1540,11 +1541,10 @@ def _row_strides(cache: KVCache) -> dict:
 
 
 def _heads_fastest(cache: KVCache) -> bool:
-    """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
-    kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
-    together then read and write the same tokens' rows, not one head's rows of many sequences: on an H100 the per-token
-    schemes then decode a token-major cache within a few percent of a head-major one. Head-major blocks keep the rows
-    fastest, which decodes as fast or faster there."""
+    """Whether a grid over (sequence or token tile, KV head) puts a sequence's or tile's KV heads side by side on
+    axis 0 (the kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs
+    that run together then read and write the same tokens' rows, not one head's rows of many sequences. Head-major
+    blocks keep sequences (or tiles) fastest, the order their decode was tuned in."""
     return cache.layout == "bshd"
 
 

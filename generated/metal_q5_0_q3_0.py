@@ -242,11 +242,12 @@ def _fill_kernel(
 ):
     """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
     pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
-    if HEADS_FASTEST:  # axis 0 is (program, KV head), a program's KV heads side by side (see _heads_fastest)
-        program = tl.program_id(0) // NUM_KV_HEADS
+    # `share`: which of a KV head's programs this is, each with its own share of the tokens.
+    if HEADS_FASTEST:  # axis 0 is (share, KV head), a share's KV heads side by side (see _heads_fastest)
+        share = tl.program_id(0) // NUM_KV_HEADS
         head = tl.program_id(0) % NUM_KV_HEADS
     else:
-        program = tl.program_id(0)
+        share = tl.program_id(0)
         head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     KEY_GROUPS: tl.constexpr = KEY_CHUNK // 32  # scale groups per chunk; 0 where a group is wider than a chunk
@@ -255,7 +256,7 @@ def _fill_kernel(
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
     for i in range(tiles):
-        token = (program * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token = (share * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
         # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
         valid = (slot >= 0) & (slot < num_slots)
@@ -2918,10 +2919,10 @@ def fill(
     num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
     per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
     tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
-    programs = _cdiv(num_tiles, tiles)  # a KV head's
+    shares = _cdiv(num_tiles, tiles)  # a KV head's programs
     stages = _LOOP_STAGES.get(cache.head_dim, 3)
     heads_fastest = _heads_fastest(cache)
-    grid = (programs * cache.num_kv_heads,) if heads_fastest else (programs, cache.num_kv_heads)
+    grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(
         _fill_kernel, grid,
         key,
@@ -3549,11 +3550,10 @@ def _row_strides(cache: KVCache) -> dict:
 
 
 def _heads_fastest(cache: KVCache) -> bool:
-    """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
-    kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
-    together then read and write the same tokens' rows, not one head's rows of many sequences: on an H100 the per-token
-    schemes then decode a token-major cache within a few percent of a head-major one. Head-major blocks keep the rows
-    fastest, which decodes as fast or faster there."""
+    """Whether a grid over (sequence or token tile, KV head) puts a sequence's or tile's KV heads side by side on
+    axis 0 (the kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs
+    that run together then read and write the same tokens' rows, not one head's rows of many sequences. Head-major
+    blocks keep sequences (or tiles) fastest, the order their decode was tuned in."""
     return cache.layout == "bshd"
 
 

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the results (default: bench-results.json)")
     parser.add_argument("--quick", action="store_true", help="one shape: batch 8, context 32768, head_dim 128")
     parser.add_argument("--plot", metavar="FILE",
-                        help="also draw decode's speedup over SDPA against context length, per scheme (PNG, matplotlib)")
+                        help="also draw decode's speedup over SDPA against context length, per scheme and layout "
+                             "(PNG, matplotlib)")
     parser.add_argument("--decode-only", action="store_true",
                         help="time decode and its SDPA peer only (no fill, flatten or attend timings)")
 

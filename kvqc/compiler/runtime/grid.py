@@ -28,11 +28,10 @@ def _row_strides(cache: KVCache) -> dict:
 
 
 def _heads_fastest(cache: KVCache) -> bool:
-    """Whether a grid over (sequence or token tile, KV head) puts a row's KV heads side by side on axis 0 (the
-    kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs that run
-    together then read and write the same tokens' rows, not one head's rows of many sequences: on an H100 the per-token
-    schemes then decode a token-major cache within a few percent of a head-major one. Head-major blocks keep the rows
-    fastest, which decodes as fast or faster there."""
+    """Whether a grid over (sequence or token tile, KV head) puts a sequence's or tile's KV heads side by side on
+    axis 0 (the kernels' HEADS_FASTEST). On token-major blocks a token's KV heads are adjacent rows, so the programs
+    that run together then read and write the same tokens' rows, not one head's rows of many sequences. Head-major
+    blocks keep sequences (or tiles) fastest, the order their decode was tuned in."""
     return cache.layout == "bshd"
 
 

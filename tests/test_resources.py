@@ -25,7 +25,7 @@ def test_tile_loops_lose_stages_only_where_their_matrices_pass_an_sm(scheme, sta
 def launches_at_256(scheme: str) -> tuple:
     """The scheme's fill, decode and flatten launches at head_dim 256, recorded under the interpreter once for the
     tests below (recording the QJL scheme's takes most of their time)."""
-    return tuple(resources._step("record", scheme, "256", interpret=True))
+    return tuple(resources._step("record", scheme, "256 bhsd", interpret=True))
 
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5"])
@@ -47,3 +47,15 @@ def test_a_kernel_past_an_sm_is_reported():
     flatten["options"] = {"num_stages": 3}
     (row,) = resources._step("compile", "turbo_qjl_k3v3", json.dumps([flatten]), interpret=False)
     assert row["shared"] > resources.SM90_SHARED
+
+
+def test_token_major_launches_compile_with_their_own_grid():
+    # On token-major blocks the kernels take HEADS_FASTEST and the rows' strides of that layout: compiled as such.
+    rows = {layout: resources.measure("int4_token", 128, layout=layout) for layout in ("bhsd", "bshd")}
+    assert [row["kernel"] for row in rows["bshd"]] == [row["kernel"] for row in rows["bhsd"]]
+    for row in rows["bshd"]:
+        assert "error" not in row and row["layout"] == "bshd", row
+        assert 0 < row["registers"] <= 255, row
+    launches = resources._step("record", "int4_token", "128 bshd", interpret=True)
+    decode = next(launch for launch in launches if launch["kernel"] == "_decode_kernel")
+    assert decode["args"]["HEADS_FASTEST"] == ["value", True] and decode["args"]["HEAD_STRIDE"] == ["value", 1]

@@ -5,12 +5,12 @@ A kernel that asks for more shared memory than an SM has fails at its first laun
 memory"), on the GPU only: the interpreter that checks kernels on CPU has no such limit. This finds it before then.
 
 Two steps, each in a process of its own, because Triton reads TRITON_INTERPRET once, when it is imported:
-  1. record: fill, decode and flatten run a small cache under the interpreter (TRITON_INTERPRET=1); every kernel
-     launch is recorded with its argument types, constexprs and launch options, the settings the module's own
-     wrappers choose for that head_dim.
+  1. record: fill, decode and flatten run a small cache under the interpreter (TRITON_INTERPRET=1), head-major or
+     token-major blocks; every kernel launch is recorded with its argument types, constexprs and launch options,
+     the settings the module's own wrappers choose for that head_dim and layout (whose grids and strides differ).
   2. compile: each recorded launch is compiled for sm_90 (triton.compile with a CUDA target, no device needed) with
      what differs on compiled CUDA: fp16 dots and the PTX unpack paths (FAST_UNPACK, FAST_CELL), tf32x3 products,
-     a 64-token block, and pointers and strides aligned to 16 as Triton specializes them on a GPU.
+     and pointers and strides aligned to 16 as Triton specializes them on a GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from pathlib import Path
 SM90_SHARED = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
 BLOCK_SIZE = 64
 # Constexprs as compiled CUDA sets them for fp16 inputs where the interpreter sets others.
-COMPILED = {"FAST_UNPACK": True, "FAST_CELL": True, "DOT_DTYPE": "fp16", "DOT_PRECISION": "tf32x3",
-            "BLOCK_SIZE": BLOCK_SIZE, "HEAD_STRIDE": BLOCK_SIZE}
+COMPILED = {"FAST_UNPACK": True, "FAST_CELL": True, "DOT_DTYPE": "fp16", "DOT_PRECISION": "tf32x3"}
 TYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16", "uint8": "u8", "int8": "i8", "int16": "i16",
          "int32": "i32", "int64": "i64", "bool": "i1"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -36,6 +35,8 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schemes", nargs="+", metavar="SCHEME", help="scheme names or files")
     parser.add_argument("--head-dim", type=int, nargs="+", help="default: every head_dim the scheme is built for")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), nargs="+", default=["bhsd", "bshd"],
+                        help="cache layouts whose launches to compile (default: both)")
     parser.add_argument("--json", metavar="FILE", help="also write every kernel's numbers here")
 
 
@@ -49,28 +50,31 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for scheme in args.schemes:
         for head_dim in args.head_dim or _head_dims(scheme):
-            rows += measure(scheme, head_dim)
-    print(f"{'scheme':<20} {'D':>4} {'kernel':<24} {'shared':>8} {'of sm_90':>8} {'regs':>5} {'stack':>6}")
+            for layout in dict.fromkeys(args.layout):
+                rows += measure(scheme, head_dim, layout=layout)
+    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'kernel':<24} {'shared':>8} {'of sm_90':>8} {'regs':>5} "
+          f"{'stack':>6}")
     for row in rows:
+        where = f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<24}"
         if "error" in row:
-            print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['kernel']:<24} error: {row['error']}")
+            print(f"{where} error: {row['error']}")
             continue
         flag = "  too large" if row["shared"] > SM90_SHARED else ""
-        print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['kernel']:<24} {row['shared']:>8} "
+        print(f"{where} {row['shared']:>8} "
               f"{row['shared'] / SM90_SHARED:>8.0%} {row['registers'] or '-':>5} {row['stack'] or 0:>6}{flag}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 1 if any("error" in r or r["shared"] > SM90_SHARED for r in rows) else 0
 
 
-def measure(scheme: str, head_dim: int, launches: list[dict] | None = None) -> list[dict]:
-    """Every kernel fill, decode and flatten launch for this scheme and head_dim, compiled for sm_90: one dict each
-    (scheme, head_dim, kernel, shared bytes, registers, stack bytes; or error). `launches`: those `record` gave
-    already, where the caller has them."""
+def measure(scheme: str, head_dim: int, launches: list[dict] | None = None, layout: str = "bhsd") -> list[dict]:
+    """Every kernel fill, decode and flatten launch for this scheme, head_dim and cache layout, compiled for sm_90:
+    one dict each (scheme, head_dim, layout, kernel, shared bytes, registers, stack bytes; or error). `launches`:
+    those `record` gave already, where the caller has them."""
     if launches is None:
-        launches = _step("record", scheme, str(head_dim), interpret=True)
+        launches = _step("record", scheme, f"{head_dim} {layout}", interpret=True)
     rows = _step("compile", scheme, json.dumps(launches), interpret=False)
-    return [{"scheme": scheme, "head_dim": head_dim, **row} for row in rows]
+    return [{"scheme": scheme, "head_dim": head_dim, "layout": layout, **row} for row in rows]
 
 
 def _step(step: str, scheme: str, arg: str, interpret: bool) -> list:
@@ -96,8 +100,9 @@ def _head_dims(scheme: str) -> tuple[int, ...]:
     return tuple(ast.literal_eval(line.split("=", 1)[1].strip()))
 
 
-def record(scheme: str, head_dim: int) -> list[dict]:
-    """Run fill, decode and flatten on a small CPU cache under the interpreter; return every launch."""
+def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
+    """Run fill, decode and flatten on a small CPU cache with `layout` blocks under the interpreter; return every
+    launch."""
     import torch
     from triton.runtime import interpreter
 
@@ -125,7 +130,7 @@ def record(scheme: str, head_dim: int) -> list[dict]:
     window = getattr(kv, "WINDOW", 0)
     extra = {"max_seqs": batch} if window else {}
     cache = kv.allocate_cache(batch * blocks, BLOCK_SIZE, kv_heads, head_dim, device="cpu", dtype=torch.float16,
-                              **extra)
+                              layout=layout, **extra)
     key = torch.randn(batch * tokens, kv_heads, head_dim, dtype=torch.float16)
     value = torch.randn_like(key)
     block_tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
@@ -198,7 +203,8 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None]:
 def _worker(step: str, scheme: str) -> None:
     arg = sys.stdin.read()
     if step == "record":
-        print(json.dumps(record(scheme, int(arg))))
+        head_dim, layout = arg.split()
+        print(json.dumps(record(scheme, int(head_dim), layout)))
         return
     import kvqc.modules
 

@@ -286,6 +286,32 @@ def test_fill_flatten_decode(policy, name):
     assert rel_err(module.reference.decode(q, cache, table, lens, scale=0.1), want) > 10 * RTOL[dtype]  # teeth
 
 
+def test_a_steps_layers_share_one_slot_mapping(monkeypatch):
+    """LMDeploy hands every layer of a step the same index tensors, so slots are mapped once a step. The next step
+    refills those tensors in place: the first layer filled again maps them anew, and every layer writes what
+    module.fill writes at the hand-computed slots."""
+    adapter, dtype = kl.kernels("int4_token", 4, allow_incompatible=True), torch.float16
+    table, num_blocks = scattered_blocks(FINAL, seed=7)
+    layers = [engine_cache(4, num_blocks, dtype, seed=s) for s in (7, 8)]
+    twins = [{name: t.clone() for name, t in layer.items()} for layer in layers]
+    mapped = []
+    slot_mapping = kl.slot_mapping
+    monkeypatch.setattr(kl, "slot_mapping", lambda *a, **kw: mapped.append(a) or slot_mapping(*a, **kw))
+    steps = [Step([0, 0, 0], [2, 2, 2], table, padding=0), Step([2, 2, 2], [2, 2, 2], table, padding=0)]
+    index = {name: getattr(steps[0], name) for name in ("q_start_loc", "q_seq_length", "kv_seq_length")}
+    for n, step in enumerate(steps):
+        for name, t in index.items():
+            t.copy_(getattr(step, name))
+        for i, (layer, twin) in enumerate(zip(layers, twins)):
+            k, v = states(step.num_tokens, 10 * n + i, dtype)
+            adapter.fill_kv_cache(**{**step.fill_args(k, v, layer, 4), **index})
+            adapter.module.fill(to_cache(adapter.module, twin), k, v, step.slots())
+        assert len(mapped) == n + 1
+    for layer, twin in zip(layers, twins):
+        for name in layer:
+            assert torch.equal(layer[name], twin[name]), name
+
+
 def test_head_major_caches_take_the_same_calls():
     """kv_layout='bhsd' ([num_blocks, num_kv_heads, block_size, ...] tensors): fill writes the bytes it writes under
     'bshd' at the transposed places, and flatten and paged attention return the same."""

@@ -240,6 +240,7 @@ class Kernels:
         self._caches: dict[tuple, tuple] = {}  # ids of LMDeploy's four tensors, head_dim, layout -> (tensors, KVCache)
         self._same_rotation: dict[int, bool] = {}
         self._last_plan = None  # the last decode step's plan (module.DecodePlan)
+        self._last_slots = None  # (index tensors, sizes, slots, ids of the caches filled with them)
 
     # -- LMDeploy's signatures (lmdeploy 0.18, lmdeploy/pytorch/kernels/cuda/{fill_kv_cache,flatten_kv_cache,
     #    pagedattention}.py)
@@ -252,8 +253,8 @@ class Kernels:
         if v_states is None or v_caches is None:
             raise NotImplementedError("v_states: kvqc caches hold K and V; shared-KV (MLA) layers are not supported")
         cache = self._cache(k_caches, k_scales_zeros, v_caches, v_scales_zeros, k_states.shape[-1], kv_layout)
-        slots = slot_mapping(k_states.shape[0], q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length,
-                             block_offsets, cache.block_size, launch=self.module._launch)
+        slots = self._step_slots(cache, k_states.shape[0], q_start_loc, q_seq_length, kv_seq_length,
+                                 max_q_seq_length, block_offsets)
         self.module.fill(cache, k_states, v_states, slots)
 
     def flatten_kv_cache(self, k_caches, v_caches, seqlens, block_offsets, start_loc=None, out_size=None,
@@ -331,6 +332,23 @@ class Kernels:
         return paged.attend(q, key, value, q_lens, cache_seqlens.tolist(), softmax_scale, causal)
 
     # -- helpers
+
+    def _step_slots(self, cache, num_tokens: int, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length,
+                    block_offsets) -> torch.Tensor:
+        """The slot_mapping of a layer's fill. LMDeploy hands every layer of a step the same index tensors, so the
+        step's first layer maps them and the others reuse its slots (an eager step's host time); a cache filled again
+        starts the next step, whose tensors may be the same ones refilled in place, and maps anew."""
+        index = (q_start_loc, q_seq_length, kv_seq_length, block_offsets)
+        sizes = (num_tokens, int(max_q_seq_length), cache.block_size)
+        last = self._last_slots
+        if (last is not None and all(a is b for a, b in zip(last[0], index)) and last[1] == sizes
+                and id(cache) not in last[3]):
+            last[3].add(id(cache))
+            return last[2]
+        slots = slot_mapping(num_tokens, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_length, block_offsets,
+                             cache.block_size, launch=self.module._launch)
+        self._last_slots = (index, sizes, slots, {id(cache)})
+        return slots
 
     def _check_call(self, quant_policy, kv_layout) -> None:
         if int(quant_policy) != self.quant_policy:

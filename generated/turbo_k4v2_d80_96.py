@@ -1286,32 +1286,27 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
-@triton.jit
-def _map_query_kernel(query_ptr, key_rotation_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
-                      ROWS: tl.constexpr, PRECISION: tl.constexpr):
-    """ROWS query rows in the model's dtype into position order in float32: q @ key_rotation^T, the padding
-    columns of q read as zeros (the rotation's rows are positions, its columns input channels)."""
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    column = tl.arange(0, WIDTH)
-    query = tl.load(query_ptr + row[:, None] * HEAD_DIM + column[None, :],
-                    mask=(row[:, None] < rows) & (column[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-    rotation = tl.load(key_rotation_ptr + column[:, None] * WIDTH + column[None, :])
-    mapped = _mm(query, tl.trans(rotation), PRECISION)
-    tl.store(out_ptr + row[:, None] * WIDTH + column[None, :], mapped, mask=row[:, None] < rows)
+_MAP_DEPTH = 32  # rows of a map's matrix a step of _map_rows_kernel
 
 
 @triton.jit
-def _map_output_kernel(merged_ptr, value_rotation_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
-                       ROWS: tl.constexpr, PRECISION: tl.constexpr):
-    """ROWS merged rows in position order (float32) back to the input basis, in the output's dtype:
-    merged @ value_rotation, its first HEAD_DIM columns (the rest is padding)."""
+def _map_rows_kernel(x_ptr, matrix_ptr, out_ptr, rows, X_COLS: tl.constexpr, OUT_COLS: tl.constexpr,
+                     WIDTH: tl.constexpr, STRIDE_K: tl.constexpr, STRIDE_N: tl.constexpr, ROWS: tl.constexpr,
+                     DEPTH: tl.constexpr, PRECISION: tl.constexpr):
+    """ROWS rows of x (X_COLS columns; the rest of WIDTH reads as zeros) times a WIDTH x WIDTH float32 matrix whose
+    entry (k, n) sits at k * STRIDE_K + n * STRIDE_N; the result's first OUT_COLS columns, in out's dtype. The
+    matrix comes DEPTH rows at a time: a whole one held in registers spills to the stack."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    column = tl.arange(0, WIDTH)
-    merged = tl.load(merged_ptr + row[:, None] * WIDTH + column[None, :], mask=row[:, None] < rows, other=0.0)
-    rotation = tl.load(value_rotation_ptr + column[:, None] * WIDTH + column[None, :])
-    out = _mm(merged, rotation, PRECISION)
-    tl.store(out_ptr + row[:, None] * HEAD_DIM + column[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(row[:, None] < rows) & (column[None, :] < HEAD_DIM))
+    k = tl.arange(0, DEPTH)
+    n = tl.arange(0, WIDTH)
+    out = tl.zeros([ROWS, WIDTH], tl.float32)
+    for first in tl.static_range(0, X_COLS, DEPTH):
+        x = tl.load(x_ptr + row[:, None] * X_COLS + first + k[None, :],
+                    mask=(row[:, None] < rows) & (first + k[None, :] < X_COLS), other=0.0).to(tl.float32)
+        matrix = tl.load(matrix_ptr + (first + k[:, None]) * STRIDE_K + n[None, :] * STRIDE_N)
+        out = _mm(x, matrix, PRECISION, out)
+    tl.store(out_ptr + row[:, None] * OUT_COLS + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(row[:, None] < rows) & (n[None, :] < OUT_COLS))
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
@@ -2129,19 +2124,14 @@ def decode(
         launches[_TAKEN] = []
     else:
         launches.pop(_TAKEN, None)  # what a call that raised midway took
-    q = query.reshape(batch * num_q_heads, head_dim)  # _map_query_kernel reads it in its own dtype
+    q = query.reshape(batch * num_q_heads, head_dim)  # _map_rows_kernel reads it in its own dtype
     width = _pow2(head_dim)  # position space: each chunk padded to a power of two
     mapped = scratch["mapped_query"]
+    # q @ key_rotation^T: the rotation's rows are positions, its columns input channels.
     _launch_at(
-        launches, ("map_query", *aligned), _map_query_kernel, (_cdiv(q.shape[0], 16),),
-        q,
-        tables["key_rotation"],
-        mapped,
-        q.shape[0],
-        HEAD_DIM=head_dim,
-        WIDTH=width,
-        ROWS=16,
-        PRECISION=_DOT_PRECISION,
+        launches, ("map_query", *aligned), _map_rows_kernel, (_cdiv(q.shape[0], 16),),
+        q, tables["key_rotation"], mapped, q.shape[0], X_COLS=head_dim, OUT_COLS=width, WIDTH=width, STRIDE_K=1,
+        STRIDE_N=width, ROWS=16, DEPTH=_MAP_DEPTH, PRECISION=_DOT_PRECISION,
     )
     q = mapped  # rotated once, in position order
     q = q.contiguous()
@@ -2151,7 +2141,7 @@ def decode(
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     merging, merged = plan.merge != "reduce", partial_out  # a kernel that merges (MERGE) writes `merged`
-    if merging:  # in position order, for _map_output_kernel
+    if merging:  # in position order, for _map_rows_kernel
         merged = scratch["merged"]
     heads_fastest = _heads_fastest(cache)
     if heads_fastest:
@@ -2212,10 +2202,12 @@ def decode(
     )
     out = merged if merging else reduce(partial_out, out=scratch["merged"])
     mapped = target if target is not None and target.is_contiguous() else torch.empty_like(query)
+    width = out.shape[1]
+    # merged @ value_rotation, its first head_dim columns (the rest is padding).
     _launch_at(
-        launches, ("map_output", *aligned, mapped.data_ptr() % 16 == 0), _map_output_kernel, (_cdiv(out.shape[0], 16),),
-        out, tables["value_rotation"], mapped, out.shape[0], HEAD_DIM=head_dim, WIDTH=out.shape[1], ROWS=16,
-        PRECISION=_DOT_PRECISION,
+        launches, ("map_output", *aligned, mapped.data_ptr() % 16 == 0), _map_rows_kernel, (_cdiv(out.shape[0], 16),),
+        out, tables["value_rotation"], mapped, out.shape[0], X_COLS=width, OUT_COLS=head_dim, WIDTH=width,
+        STRIDE_K=width, STRIDE_N=1, ROWS=16, DEPTH=_MAP_DEPTH, PRECISION=_DOT_PRECISION,
     )
     out = mapped  # back to the input basis, once
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)

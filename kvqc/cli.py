@@ -218,7 +218,7 @@ def _explain(args: argparse.Namespace) -> int:
         print("           merge: _decode_reduce_kernel, a launch of its own (" + ("QJL's second output" if layout.value.qjl
               else "the window's output is mapped in torch first") + ")")
     if layout.maps_by_matrix:
-        print("           the padded head: mapped by dense matrices in _map_query_kernel and _map_output_kernel")
+        print("           the padded head: mapped by dense matrices in _map_rows_kernel")
     if layout.decode_replays:
         print("           with a plan: later layers replay the first layer's launches with their own tensors")
     else:

@@ -1506,7 +1506,7 @@ class Layout:
 
     @property
     def maps_by_matrix(self) -> bool:
-        """Decode maps a padded head through dense matrices in Triton (`_map_query_kernel`, `_map_output_kernel`):
+        """Decode maps a padded head through dense matrices in Triton (`_map_rows_kernel`):
         the query into position order before the splits, the merged output back to the input basis after them,
         where both sides are moved by a matrix and no QJL share of V has to be added first."""
         return (self.padded and not self.split and self.key.uses_matrix and self.value.uses_matrix
@@ -1516,7 +1516,7 @@ class Layout:
     def query_map(self) -> str:
         """How decode's wrapper brings the query into the split kernels' position order, the piece it includes
         (templates/api/query/<name>.py.j2; "" where the kernels read it as given or rotate it themselves with
-        `_ROTATE_IN_DECODE` on): a padded head by `_map_query_kernel` ("map_kernel"), by its rotation in torch
+        `_ROTATE_IN_DECODE` on): a padded head by `_map_rows_kernel` ("map_kernel"), by its rotation in torch
         ("pad_matrix") or by scattering it to its positions ("pad_positions"); `_rotate_query_kernel`, where the split
         kernels cannot rotate it (K's scale groups, K's QJL projection: "rotate_apart") or `_ROTATE_IN_DECODE` is
         off ("rotate"); a matrix in torch ("matrix").
@@ -1535,7 +1535,7 @@ class Layout:
     def output_map(self) -> str:
         """How decode's wrapper turns the merged splits into the output (templates/api/output/<name>.py.j2): the merge
         writes it, rotated back ("rotate_back") or as it is ("as_merged"); or the wrapper maps it from position order
-        after the merge, in `_map_output_kernel` ("map_kernel"), by its rotation in torch ("matrix", "pad_matrix" for a
+        after the merge, in `_map_rows_kernel` ("map_kernel"), by its rotation in torch ("matrix", "pad_matrix" for a
         padded head), by gathering its positions ("positions"), or only adds V's QJL share ("qjl"). A channel split's
         parts merge in `_merge_parts_kernel` instead."""
         if self.split:
@@ -1554,7 +1554,7 @@ class Layout:
     def merged_into(self) -> str:
         """Where a merging kernel (decode_merge) writes the merged output (templates/api/merged/<name>.py.j2): the
         caller's rows or a new tensor in the query's dtype, where it is the output ("caller"); the plan's scratch for
-        `_map_output_kernel` ("scratch"); a new float32 tensor for the wrapper to map ("float32")."""
+        `_map_rows_kernel` ("scratch"); a new float32 tensor for the wrapper to map ("float32")."""
         if self.output_map in ("rotate_back", "as_merged"):
             return "caller"
         return "scratch" if self.output_map == "map_kernel" else "float32"

@@ -79,7 +79,7 @@ SEED = 0
 # fill and flatten files (and FA3's, where installed).
 KERNEL_CATEGORIES = {
     "kvqc attention": r"_(decode_kernel|decode_reduce_kernel|rotate_query_kernel|window_decode_kernel|"
-                      r"query_parts_kernel|merge_parts_kernel|map_query_kernel|map_output_kernel)",
+                      r"query_parts_kernel|merge_parts_kernel|map_rows_kernel)",
     "kvqc fill": r"_(fill_kernel|slot_mapping_kernel|hadamard_kernel|window_store_kernel|key_group_kernel|"
                  r"flatten_kernel)",
     "lmdeploy attention": r"_(fill_kv_cache|fill_page_quant|flatten_kv_cache|fwd_grouped_split|reduce_split|"
@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also record N steady decode steps per run with torch.profiler: GPU time per step by kernel "
                         "category (graph mode)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every cache N times, the caches interleaved (eager mode's host-bound steps vary from run "
+                        "to run): each run is a row, numbered by its `repeat`")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's earlier runs (same model) and replace those run again: a matrix in pieces")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run, for the worker process
@@ -506,11 +509,11 @@ def fmt(x, digits=0) -> str:
 
 
 def print_tables(runs: list[dict], rows: list[dict]) -> None:
-    print("\n| cache | mode | batch | prompt | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens "
+    print("\n| cache | mode | batch | prompt | repeat | prefill s | decode tok/s (steps) | e2e tok/s | KV tokens "
           "| KV B/token | peak GiB (non-KV) | decode SM MHz (min), W |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
-        head = f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} |"
+        head = f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('repeat', 0)} |"
         if r.get("failed"):
             print(f"{head} failed: `{r['error'][:160]}` | | | | | | |")
             continue
@@ -543,15 +546,16 @@ def print_tables(runs: list[dict], rows: list[dict]) -> None:
 
 
 def merge(old: dict, new: dict) -> dict:
-    """new's runs replace old's of the same (cache, mode, batch, prompt); old's others stay, in order."""
+    """new's runs replace old's of the same (cache, mode, batch, prompt, repeat); old's others stay, in order."""
     if old.get("model") != new["model"]:
         sys.exit(f"--merge: {old.get('model')} in the existing file is another model than {new['model']}")
-    key = lambda r: (r["cache"], r["mode"], r["batch"], r["prompt"])
+    key = lambda r: (r["cache"], r["mode"], r["batch"], r["prompt"], r.get("repeat", 0))
     fresh = {key(r) for r in new["runs"]}
     merged = dict(old, **{k: v for k, v in new.items() if k not in ("commands", "runs") and v})
     merged["commands"] = old.get("commands", []) + new["commands"]
     runs = [r for r in old["runs"] if key(r) not in fresh] + new["runs"]
-    order = lambda r: (r["batch"], r["prompt"], list(MODES).index(r["mode"]), list(CACHES).index(r["cache"]))
+    order = lambda r: (r["batch"], r["prompt"], list(MODES).index(r["mode"]), r.get("repeat", 0),
+                       list(CACHES).index(r["cache"]))
     merged["runs"] = sorted(runs, key=order)
     return merged
 
@@ -570,8 +574,8 @@ def main(args) -> None:
     for batch in args.batch:
         for prompt in args.prompts:
             for mode in args.modes:
-                for cache in args.caches:
-                    name = f"{cache}-{mode}-b{batch}-p{prompt}"
+                for repeat, cache in ((r, c) for r in range(args.repeats) for c in args.caches):
+                    name = f"{cache}-{mode}-b{batch}-p{prompt}-r{repeat}"
                     spec = dict(shape, name=name, cache=cache, mode=mode, batch=batch, prompt=prompt,
                                 new_tokens=args.new_tokens, model=str(model), cache_frac=args.cache_frac)
                     if args.agreement:
@@ -582,8 +586,8 @@ def main(args) -> None:
                     result = spawn(spec, work, args.run_timeout)
                     env = env or result.pop("env", {})
                     result.pop("env", None)
-                    result.update(cache=cache, mode=mode, batch=batch, prompt=prompt, new_tokens=args.new_tokens,
-                                  logits_path=spec.get("logits"))
+                    result.update(cache=cache, mode=mode, batch=batch, prompt=prompt, repeat=repeat,
+                                  new_tokens=args.new_tokens, logits_path=spec.get("logits"))
                     if result.get("failed"):
                         print(f"  failed: {result['error']} (log: {result['log']})", flush=True)
                     elif result["decode_steps"] < MIN_DECODE_STEPS and not args.agreement:

@@ -622,6 +622,22 @@ def test_engine_benchmark_kernel_categories():
     assert bench.parse_args(["--out", "x"]).profile == 0
 
 
+def test_engine_benchmark_merges_repeats_apart():
+    """--repeats N runs each cache N times; --merge replaces a run by the one of the same cache, mode, batch, prompt
+    and repeat, and keeps the other repeats."""
+    bench = _engine_benchmark()
+    assert bench.parse_args(["--out", "x"]).repeats == 1
+    run = lambda cache, repeat, tok_s: dict(cache=cache, mode="eager", batch=32, prompt=4096, repeat=repeat,
+                                            decode_tok_s=tok_s)
+    old = dict(model={"layers": 8}, commands=["a"], runs=[run("lmdeploy-fp16", 0, 1.0), run("lmdeploy-fp16", 1, 2.0),
+                                                           run("kvqc-int4_token", 0, 3.0)])
+    new = dict(model={"layers": 8}, commands=["b"], runs=[run("lmdeploy-fp16", 1, 5.0), run("kvqc-int4_token", 1, 6.0)])
+    merged = bench.merge(old, new)
+    assert [(r["cache"], r["repeat"], r["decode_tok_s"]) for r in merged["runs"]] == [
+        ("lmdeploy-fp16", 0, 1.0), ("kvqc-int4_token", 0, 3.0), ("lmdeploy-fp16", 1, 5.0), ("kvqc-int4_token", 1, 6.0)]
+    assert merged["commands"] == ["a", "b"]
+
+
 def test_engine_benchmark_step_profile():
     """Steps split at the decode graph's replays: kernels by category, period, span and idle share per step."""
     bench = _engine_benchmark()

@@ -1,0 +1,76 @@
+"""GPU time of each kernel in one planned decode, captured alone in a CUDA graph (torch.profiler over 50 replays).
+
+    python3 benchmarks/decode_profile.py turbo_k4v2_d80_96 --head-dim 80 --batch 8 --context 8192
+
+The cache holds random K/V at every position of batch x context tokens (head-major blocks of 64, 8 KV heads, 32
+query heads, fp16); prints the graph's time per replay (CUDA events over 200) and each kernel's mean time and
+launches per replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+BLOCK_SIZE, KV_HEADS, Q_HEADS = 64, 8, 32
+PROFILED, TIMED = 50, 200
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scheme")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=8192)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvqc from this checkout
+    from kvqc import modules
+
+    m = modules.load(args.scheme)
+    d, batch, context = args.head_dim, args.batch, args.context
+    num_blocks = batch * -(-context // BLOCK_SIZE)
+    cache = m.allocate_cache(num_blocks, BLOCK_SIZE, KV_HEADS, d, device="cuda", dtype=torch.float16)
+    tokens = num_blocks * BLOCK_SIZE
+    states = [torch.randn(tokens, KV_HEADS, d, device="cuda", dtype=torch.float16) for _ in range(2)]
+    m.fill(cache, *states, torch.arange(tokens, device="cuda"))
+    block_tables = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    query = torch.randn(batch, Q_HEADS, d, device="cuda", dtype=torch.float16)
+    plan = m.plan_decode(cache, block_tables, seq_lens, Q_HEADS, torch.float16)
+    out = torch.empty_like(query)
+    for _ in range(3):  # compile, then leave the plan's replay
+        m.decode(query, cache, block_tables, seq_lens, plan=plan, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m.decode(query, cache, block_tables, seq_lens, plan=plan, out=out)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            graph.replay()
+        torch.cuda.synchronize()
+    time_us, launches = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            time_us[e.name] += e.device_time / PROFILED
+            launches[e.name] += 1
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(TIMED):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"{args.scheme}, head_dim {d}, {batch} x {context}, {torch.cuda.get_device_name()}: "
+          f"{start.elapsed_time(end) / TIMED * 1000:.1f} us a replay")
+    for name in sorted(time_us, key=time_us.get, reverse=True):
+        print(f"  {name}: {time_us[name]:.1f} us, {launches[name] // PROFILED} launch(es)")
+
+
+if __name__ == "__main__":
+    main()

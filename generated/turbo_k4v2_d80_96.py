@@ -119,7 +119,7 @@ _FLATTEN_IN_BLOCK = 128
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8, context
 # 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records the
 # sweep.
-_DECODE_CONFIGS = {80: (32, 1, 3, 8, 64), 96: (32, 1, 3, 8, 128)}
+_DECODE_CONFIGS = {80: (32, 1, 2, 8, 64), 96: (32, 1, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per

@@ -22,6 +22,11 @@ with max_new_tokens=0), computed by prefill attention over K/V flattened from th
 kernels show in the tokens. A random-weight model's logits are nearly flat, so a few percent of logit error
 already flips greedy tokens: read token agreement next to the logit error.
 
+--host-times: the host time of every fill_kv_cache and flash_attn_with_kvcache call (kvqc's adapter, or LMDeploy's
+own kernels for its caches), perf_counter around the Python call, summed over the timed batch's steady decode window:
+per step and per call, in the run's "host_times" field. Eager steps are host-bound; this says how much of a step the
+KV-cache calls take.
+
 --profile N: after the timed batch, a batch of the same shape runs again and, once every request has its first
 token, torch.profiler (CUDA activities) records a few more than N decode steps. CUPTI traces the kernels a CUDA-graph
 replay launches, each carrying its cudaGraphLaunch's correlation id, so graph mode's steps are told apart by their
@@ -86,6 +91,7 @@ KERNEL_CATEGORIES = {
                           r"fused_reduce_hadamard|flash_prefill_fwd)|.*flash_fwd|.*flash::",
     "gemm": r"(?i).*(gemm|gemv|cutlass|cublas|nvjet|xmma)",
 }
+HOST_TIMED = ("fill_kv_cache", "flash_attn_with_kvcache")  # --host-times: the calls timed, kvqc's or LMDeploy's
 PROFILE_WARM_STEPS = 1  # replays skipped at the window's start: the profiler's start can stall the first one
 
 
@@ -111,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also record N steady decode steps per run with torch.profiler: GPU time per step by kernel "
                         "category (graph mode)")
+    p.add_argument("--host-times", action="store_true",
+                   help="time the host side of every fill_kv_cache / flash_attn_with_kvcache call in the decode "
+                        "window")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every cache N times, the caches interleaved (eager mode's host-bound steps vary from run "
                         "to run): each run is a row, numbered by its `repeat`")
@@ -366,12 +375,52 @@ def environment() -> dict:
     return {"device": torch.cuda.get_device_name(), "versions": versions}
 
 
+class HostTimes:
+    """Host time of named calls: `wrap(owner, name)` replaces owner.name by a function that stamps each call's start
+    and end (time.perf_counter, the clock of the token stamps) and calls the original."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, float]] = []
+
+    def wrap(self, owner, name: str) -> None:
+        inner, calls = getattr(owner, name), self.calls
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                calls.append((name, start, time.perf_counter()))
+
+        setattr(owner, name, timed)
+
+    def summary(self, begin: float, end: float, steps: int) -> dict:
+        """Per name, the calls that started in [begin, end]: host ms per step, us per call, calls per step."""
+        totals: dict[str, list] = {}
+        for name, start, stop in self.calls:
+            if begin <= start <= end:
+                entry = totals.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += stop - start
+        return {name: {"ms_per_step": 1e3 * seconds / steps, "us_per_call": 1e6 * seconds / calls,
+                       "calls_per_step": calls / steps} for name, (calls, seconds) in totals.items()}
+
+
 def run_one(spec: dict) -> dict:
     """Build LMDeploy's pipeline for one cache and mode, warm it up, then time one batch."""
     import torch
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
     policy, scheme = CACHES[spec["cache"]]
+    host_times = HostTimes() if spec.get("host_times") else None
+    if host_times and scheme:  # before install, which binds the adapter's methods
+        from kvqc.engines.lmdeploy import Kernels
+        for name in HOST_TIMED:
+            host_times.wrap(Kernels, name)
+    elif host_times:  # LMDeploy's attention layers look its kernels up in the package when they are built
+        import lmdeploy.pytorch.kernels.cuda as kernels
+        for name in HOST_TIMED:
+            host_times.wrap(kernels, name)
     if scheme:
         from kvqc.engines import lmdeploy as kvqc_lmdeploy
         # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
@@ -404,7 +453,10 @@ def run_one(spec: dict) -> dict:
     with ClockSampler() as clocks:
         start, stamps, tokens = run(prompts, new)
     result.update(timings(start, stamps))
-    result["clocks"] = clocks.summary(max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps))
+    window = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)  # the steady decode window
+    result["clocks"] = clocks.summary(*window)
+    if host_times and result["decode_steps"]:
+        result["host_times"] = host_times.summary(*window, result["decode_steps"])
     if spec.get("profile"):
         gen = GenerationConfig(max_new_tokens=new, ignore_eos=True, do_sample=False)
         try:  # a failed profile leaves the run's timings standing
@@ -532,6 +584,16 @@ def print_tables(runs: list[dict], rows: list[dict]) -> None:
             print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {fmt(p['period_ms'], 2)} "
                   f"({fmt(timed, 2)}) | {fmt(p['span_ms'], 2)} | " + " | ".join(fmt(p['ms'][c], 2) for c in cats)
                   + f" | {fmt(100 * p['idle_share'], 1)}% |")
+    timed = [r for r in runs if r.get("host_times")]
+    if timed:
+        print("\n| cache | mode | batch | prompt | repeat | decode step ms | "
+              + " | ".join(f"{name} ms/step (us/call)" for name in HOST_TIMED) + " |")
+        print("| --- " * (6 + len(HOST_TIMED)) + "|")
+        for r in timed:
+            cells = [f"{fmt(h['ms_per_step'], 2)} ({fmt(h['us_per_call'])})" if h else "-"
+                     for h in (r["host_times"].get(name) for name in HOST_TIMED)]
+            print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('repeat', 0)} | "
+                  f"{fmt(r['batch'] / r['decode_tok_s'] * 1000, 2)} | " + " | ".join(cells) + " |")
     for r in runs:
         if "profile" in r and not r["profile"].get("steps"):
             print(f"profile of {r['cache']} {r['mode']}: no steps split ({r['profile']})")
@@ -582,6 +644,8 @@ def main(args) -> None:
                         spec["logits"] = str(work / f"{name}.logits.pt")
                     if args.profile:
                         spec.update(profile=args.profile, trace=str(work / f"{name}.trace.json.gz"))
+                    if args.host_times:
+                        spec["host_times"] = True
                     print(f"run {name}", flush=True)
                     result = spawn(spec, work, args.run_timeout)
                     env = env or result.pop("env", {})

@@ -638,6 +638,23 @@ def test_engine_benchmark_merges_repeats_apart():
     assert merged["commands"] == ["a", "b"]
 
 
+def test_engine_benchmark_host_times():
+    """--host-times wraps a callable in place and sums the calls that start inside the decode window, per step and
+    per call."""
+    bench = _engine_benchmark()
+    owner = types.SimpleNamespace(fill_kv_cache=lambda x: x + 1)
+    timer = bench.HostTimes()
+    timer.wrap(owner, "fill_kv_cache")
+    assert owner.fill_kv_cache(1) == 2 and len(timer.calls) == 1
+    timer.calls[:] = [("fill_kv_cache", 0.5, 0.6), ("fill_kv_cache", 1.0, 1.002), ("fill_kv_cache", 1.5, 1.504),
+                      ("flash_attn_with_kvcache", 1.2, 1.203), ("fill_kv_cache", 3.0, 3.1)]
+    summary = timer.summary(1.0, 2.0, steps=2)
+    assert summary["fill_kv_cache"] == pytest.approx({"ms_per_step": 3.0, "us_per_call": 3000.0, "calls_per_step": 1.0})
+    assert summary["flash_attn_with_kvcache"] == pytest.approx(
+        {"ms_per_step": 1.5, "us_per_call": 3000.0, "calls_per_step": 0.5})
+    assert bench.parse_args(["--out", "x", "--host-times"]).host_times
+
+
 def test_engine_benchmark_step_profile():
     """Steps split at the decode graph's replays: kernels by category, period, span and idle share per step."""
     bench = _engine_benchmark()

@@ -82,8 +82,8 @@ def slot_mapping(
     kv_seq_length[i] - q_seq_length[i] .. kv_seq_length[i] - 1 of the sequence; position p lives in block
     block_offsets[i, p // block_size] at offset p % block_size. Rows no sequence claims get -1, and a row several
     entries claim belongs to the first of them: LMDeploy pads a CUDA-graph batch with entries whose token is row 0
-    and whose blocks are all block 0, and those must write nothing. One kernel after the -1 fill: a decode step
-    runs this once per layer.
+    and whose blocks are all block 0, and those must write nothing. One kernel after the -1 fill, once a step: the
+    adapter's fill_kv_cache maps a step's index tensors for its first layer and reuses the slots for the others.
     """
     device = block_offsets.device
     batch, width = block_offsets.shape
@@ -111,7 +111,7 @@ def _slots(num_tokens: int, q_start_loc, q_seq_length, kv_seq_length, max_q_seq_
     if batch and num_tokens:
         tokens = min(128, max(16, 1 << (max(int(max_q_seq_length), 1) - 1).bit_length()))
         # A generated module's _launch calls the compiled kernel directly after its first launch: Triton's own
-        # launch path costs more host time than the kernel takes, once per layer of an eager step.
+        # launch path costs more host time than the kernel takes, once per step of an eager engine.
         launch(_slot_mapping_kernel, (batch,), slots, q_start_loc, q_seq_length, kv_seq_length, block_offsets,
                num_tokens, width, block_offsets.stride(0), BLOCK_SIZE=block_size, TOKENS=tokens, ENTRIES=64)
     return slots

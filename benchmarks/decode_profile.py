@@ -3,8 +3,8 @@
     python3 benchmarks/decode_profile.py turbo_k4v2_d80_96 --head-dim 80 --batch 8 --context 8192
 
 The cache holds random K/V at every position of batch x context tokens (head-major blocks of 64, 8 KV heads, 32
-query heads, fp16). As in `kvqc bench`, enough copies of it to pass twice the L2 cache take turns, a graph each, so
-every replay reads its cache from memory. Prints the time per replay (CUDA events over 200) and each kernel's mean
+query heads, fp16). Enough copies of it to pass twice the L2 cache take turns, a graph each, so every replay reads
+its cache from memory. Prints the time per replay (CUDA events over 200) and each kernel's mean
 time and launches per replay.
 """
 

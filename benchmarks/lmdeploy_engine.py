@@ -92,7 +92,15 @@ KERNEL_CATEGORIES = {
     "gemm": r"(?i).*(gemm|gemv|cutlass|cublas|nvjet|xmma)",
 }
 HOST_TIMED = ("fill_kv_cache", "flash_attn_with_kvcache")  # --host-times: the calls timed, kvqc's or LMDeploy's
+HOST_COLUMNS = (*HOST_TIMED, "slot_mapping")  # and the adapter's slot mapping, inside kvqc's fill_kv_cache
 PROFILE_WARM_STEPS = 1  # replays skipped at the window's start: the profiler's start can stall the first one
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive count, got {text}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,13 +128,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-times", action="store_true",
                    help="time the host side of every fill_kv_cache / flash_attn_with_kvcache call in the decode "
                         "window")
-    p.add_argument("--repeats", type=int, default=1, metavar="N",
+    p.add_argument("--repeats", type=positive, default=1, metavar="N",
                    help="run every cache N times, the caches interleaved (eager mode's host-bound steps vary from run "
                         "to run): each run is a row, numbered by its `repeat`")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's earlier runs (same model) and replace those run again: a matrix in pieces")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run, for the worker process
     args = p.parse_args(argv)
+    if args.agreement and args.repeats > 1:
+        p.error("--repeats: the agreement compares one run of each cache (leave --repeats at 1)")
     args.batch = args.batch or ([8] if args.agreement else [32])
     args.prompts = args.prompts or ([1024] if args.agreement else [4096, 16384])
     args.new_tokens = args.new_tokens or (64 if args.agreement else 128)
@@ -394,16 +404,21 @@ class HostTimes:
 
         setattr(owner, name, timed)
 
-    def summary(self, begin: float, end: float, steps: int) -> dict:
-        """Per name, the calls that started in [begin, end]: host ms per step, us per call, calls per step."""
+    def summary(self, begin: float, end: float, layers: int) -> dict:
+        """Per name, the calls that started in [begin, end]: how many, host us per call, calls and host ms per step,
+        a step being `layers` calls of the first name timed (the window's calls belong to more forwards than the
+        tokens it counts)."""
         totals: dict[str, list] = {}
         for name, start, stop in self.calls:
             if begin <= start <= end:
                 entry = totals.setdefault(name, [0, 0.0])
                 entry[0] += 1
                 entry[1] += stop - start
-        return {name: {"ms_per_step": 1e3 * seconds / steps, "us_per_call": 1e6 * seconds / calls,
-                       "calls_per_step": calls / steps} for name, (calls, seconds) in totals.items()}
+        if not totals:
+            return {}
+        steps = totals[self.calls[0][0]][0] / layers
+        return {name: {"calls": calls, "us_per_call": 1e6 * seconds / calls, "calls_per_step": calls / steps,
+                       "ms_per_step": 1e3 * seconds / steps} for name, (calls, seconds) in totals.items()}
 
 
 def run_one(spec: dict) -> dict:
@@ -414,9 +429,10 @@ def run_one(spec: dict) -> dict:
     policy, scheme = CACHES[spec["cache"]]
     host_times = HostTimes() if spec.get("host_times") else None
     if host_times and scheme:  # before install, which binds the adapter's methods
-        from kvqc.engines.lmdeploy import Kernels
+        from kvqc.engines import lmdeploy as adapter
         for name in HOST_TIMED:
-            host_times.wrap(Kernels, name)
+            host_times.wrap(adapter.Kernels, name)
+        host_times.wrap(adapter, "slot_mapping")  # once a step: the adapter maps for a step's first layer
     elif host_times:  # LMDeploy's attention layers look its kernels up in the package when they are built
         import lmdeploy.pytorch.kernels.cuda as kernels
         for name in HOST_TIMED:
@@ -455,8 +471,8 @@ def run_one(spec: dict) -> dict:
     result.update(timings(start, stamps))
     window = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)  # the steady decode window
     result["clocks"] = clocks.summary(*window)
-    if host_times and result["decode_steps"]:
-        result["host_times"] = host_times.summary(*window, result["decode_steps"])
+    if host_times:
+        result["host_times"] = host_times.summary(*window, layers=spec["layers"])
     if spec.get("profile"):
         gen = GenerationConfig(max_new_tokens=new, ignore_eos=True, do_sample=False)
         try:  # a failed profile leaves the run's timings standing
@@ -576,22 +592,24 @@ def print_tables(runs: list[dict], rows: list[dict]) -> None:
     profiled = [r for r in runs if r.get("profile", {}).get("steps")]
     if profiled:
         cats = [*KERNEL_CATEGORIES, "other"]
-        print("\n| cache | mode | batch | prompt | step ms (timed) | span ms | " + " | ".join(cats) + " | GPU idle |")
-        print("| --- " * (len(cats) + 7) + "|")
+        print("\n| cache | mode | batch | prompt | repeat | step ms (timed) | span ms | " + " | ".join(cats)
+              + " | GPU idle |")
+        print("| --- " * (len(cats) + 8) + "|")
         for r in profiled:
             p = r["profile"]
             timed = r["batch"] / r["decode_tok_s"] * 1000 if r.get("decode_tok_s") else None  # the timed batch's step
-            print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {fmt(p['period_ms'], 2)} "
+            print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('repeat', 0)} | "
+                  f"{fmt(p['period_ms'], 2)} "
                   f"({fmt(timed, 2)}) | {fmt(p['span_ms'], 2)} | " + " | ".join(fmt(p['ms'][c], 2) for c in cats)
                   + f" | {fmt(100 * p['idle_share'], 1)}% |")
     timed = [r for r in runs if r.get("host_times")]
     if timed:
         print("\n| cache | mode | batch | prompt | repeat | decode step ms | "
-              + " | ".join(f"{name} ms/step (us/call)" for name in HOST_TIMED) + " |")
-        print("| --- " * (6 + len(HOST_TIMED)) + "|")
+              + " | ".join(f"{name} ms/step (us/call, calls/step)" for name in HOST_COLUMNS) + " |")
+        print("| --- " * (6 + len(HOST_COLUMNS)) + "|")
         for r in timed:
-            cells = [f"{fmt(h['ms_per_step'], 2)} ({fmt(h['us_per_call'])})" if h else "-"
-                     for h in (r["host_times"].get(name) for name in HOST_TIMED)]
+            cells = [f"{fmt(h['ms_per_step'], 2)} ({fmt(h['us_per_call'])}, {fmt(h['calls_per_step'], 1)})" if h
+                     else "-" for h in (r["host_times"].get(name) for name in HOST_COLUMNS)]
             print(f"| {r['cache']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('repeat', 0)} | "
                   f"{fmt(r['batch'] / r['decode_tok_s'] * 1000, 2)} | " + " | ".join(cells) + " |")
     for r in runs:

@@ -646,13 +646,21 @@ def test_engine_benchmark_host_times():
     timer = bench.HostTimes()
     timer.wrap(owner, "fill_kv_cache")
     assert owner.fill_kv_cache(1) == 2 and len(timer.calls) == 1
+    # two layers: a step is two fill calls; calls before the window do not count
     timer.calls[:] = [("fill_kv_cache", 0.5, 0.6), ("fill_kv_cache", 1.0, 1.002), ("fill_kv_cache", 1.5, 1.504),
-                      ("flash_attn_with_kvcache", 1.2, 1.203), ("fill_kv_cache", 3.0, 3.1)]
-    summary = timer.summary(1.0, 2.0, steps=2)
-    assert summary["fill_kv_cache"] == pytest.approx({"ms_per_step": 3.0, "us_per_call": 3000.0, "calls_per_step": 1.0})
+                      ("flash_attn_with_kvcache", 1.2, 1.203), ("fill_kv_cache", 1.6, 1.603),
+                      ("fill_kv_cache", 1.9, 1.901), ("slot_mapping", 1.01, 1.011), ("fill_kv_cache", 3.0, 3.1)]
+    summary = timer.summary(1.0, 2.0, layers=2)
+    assert summary["fill_kv_cache"] == pytest.approx(
+        {"calls": 4, "us_per_call": 2500.0, "calls_per_step": 2.0, "ms_per_step": 5.0})
     assert summary["flash_attn_with_kvcache"] == pytest.approx(
-        {"ms_per_step": 1.5, "us_per_call": 3000.0, "calls_per_step": 0.5})
+        {"calls": 1, "us_per_call": 3000.0, "calls_per_step": 0.5, "ms_per_step": 1.5})
+    assert summary["slot_mapping"]["calls_per_step"] == pytest.approx(0.5)
     assert bench.parse_args(["--out", "x", "--host-times"]).host_times
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--agreement", "--repeats", "2"])
 
 
 def test_engine_benchmark_step_profile():

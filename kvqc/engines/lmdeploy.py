@@ -337,9 +337,13 @@ class Kernels:
                     block_offsets) -> torch.Tensor:
         """The slot_mapping of a layer's fill. LMDeploy hands every layer of a step the same index tensors, so the
         step's first layer maps them and the others reuse its slots (an eager step's host time); a cache filled again
-        starts the next step, whose tensors may be the same ones refilled in place, and maps anew."""
+        starts the next step, whose tensors may be the same ones refilled in place, and maps anew, as does a call on
+        the other side of a CUDA-graph capture. What this assumes of the engine: the index tensors change only
+        between steps, and a step fills each layer's cache once."""
         index = (q_start_loc, q_seq_length, kv_seq_length, block_offsets)
-        sizes = (num_tokens, int(max_q_seq_length), cache.block_size)
+        # A graph must map inside its capture, and an eager call must not read slots that live in a graph's pool.
+        capturing = block_offsets.is_cuda and torch.cuda.is_current_stream_capturing()
+        sizes = (num_tokens, int(max_q_seq_length), cache.block_size, capturing)
         last = self._last_slots
         if (last is not None and all(a is b for a, b in zip(last[0], index)) and last[1] == sizes
                 and id(cache) not in last[3]):

@@ -5,7 +5,8 @@ head_dim 128, block 64, for turbo_k4v2 (quant_policy 42), int4_token (4) and int
 Per call: GPU time inside a CUDA graph (one call captured alone, triton.testing.do_bench median) and eager host
 time (the median of 10 rounds of 32 calls queued back to back). Calls take 8 layers' caches in turn; LMDeploy hands
 a step's layers the same block_offsets and kv_seqlens tensors, so the first decode call plans and later ones replay
-its launches, as in the engine's eager mode. Needs a CUDA GPU, not LMDeploy itself:
+its launches, and the first fill maps the slots the later ones reuse, as in the engine's eager mode. A graph
+captures a fill together with its step's slot mapping. Needs a CUDA GPU, not LMDeploy itself:
 
     python3 benchmarks/lmdeploy_layers.py
 """

@@ -103,7 +103,8 @@ def _list(args: argparse.Namespace) -> int:
             continue
         layout = plan(scheme)
         kb, vb = scheme.bits_per_coordinate(d)
-        print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} {layout.compression_ratio(d):>7.2f}x "
+        print(f"{scheme.name:<20} {kb:>7.3f} {vb:>7.3f} {layout.bytes_per_token(d):>12} "
+              f"{layout.compression_ratio(d):>7.2f}x "
               f"{(f'{scheme.sinks}+{scheme.window}' if scheme.sinks else scheme.window) or '-':>7}")
     return 0
 
@@ -122,13 +123,16 @@ def _explain(args: argparse.Namespace) -> int:
     # The description is free text from the scheme's author: shown with its control and escape characters written
     # out, so that a scheme cannot retitle, clear or rewrite the reader's terminal.
     print(f"{scheme.name}: {printable(' '.join(scheme.description.split())) or '(no description)'}")
-    print(f"head_dims: {list(scheme.head_dims)}; shown for head_dim {d}, model dtype fp16, B = block_size, H = KV heads")
-    print("cache tensors ([num_blocks, H, B, ...], allocate_cache's 'bhsd' layout; [num_blocks, B, H, ...] under 'bshd'):")
+    print(f"head_dims: {list(scheme.head_dims)}; shown for head_dim {d}, model dtype fp16, B = block_size, "
+          "H = KV heads")
+    print("cache tensors ([num_blocks, H, B, ...], allocate_cache's 'bhsd' layout; "
+          "[num_blocks, B, H, ...] under 'bshd'):")
     for side in layout.sides:
         planes = " + ".join(f"{p.width}-bit" for p in side.planes)
         width = side.part_dim(d)
         which = f" of the {width} {'outlier' if side.part else 'other'} channels" if side.split else ""
-        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, H, B, {side.code_bytes(d)}]  {side.code_bits} bits/coord{which} ({planes} planes)")
+        print(f"  {side.name + '_codes':<12} uint8   [num_blocks, H, B, {side.code_bytes(d)}]  "
+              f"{side.code_bits} bits/coord{which} ({planes} planes)")
         fields = ", ".join(side.metadata)
         if side.group_size:
             fields += f" for each of {d // side.group_size} groups of {side.group_size} channels"
@@ -142,8 +146,8 @@ def _explain(args: argparse.Namespace) -> int:
             o = side.whole.outliers
             rule = (f"fixed by the scheme: {list(o.channels)}" if o.select == "fixed"
                     else f"calibrate(cache, key, value) takes the {side.part_dim(d)} of largest {o.select} per KV head")
-            print(f"  {side.base + '_channels':<12} int64   [H, {d}]  each KV head's channel order, its {side.part_dim(d)} "
-                  f"outlier channels first ({rule}); once per layer, not per token")
+            print(f"  {side.base + '_channels':<12} int64   [H, {d}]  each KV head's channel order, its "
+                  f"{side.part_dim(d)} outlier channels first ({rule}); once per layer, not per token")
     slots = scheme.sinks + scheme.window
     if scheme.window:
         print(f"ring tensors ([max_seqs, {slots}, H, d], one row per live sequence):")
@@ -155,7 +159,8 @@ def _explain(args: argparse.Namespace) -> int:
     if layout.centered:
         print(f"  {'key_mean':<12} fp32    [H, {d}]  each KV head's mean key, which its keys are quantized against "
               "(calibrate); once per layer, not per token")
-    print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), {layout.compression_ratio(d):.2f}x smaller")
+    print(f"bytes per token and KV head: {layout.bytes_per_token(d)} (fp16 K+V: {4 * d}), "
+          f"{layout.compression_ratio(d):.2f}x smaller")
     if scheme.window:
         tokens = f"first {scheme.sinks} and last {scheme.window}" if scheme.sinks else f"last {scheme.window}"
         print(f"ring bytes per sequence and KV head: {4 * d * slots} (the {tokens} tokens' K and V "
@@ -164,7 +169,8 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{side.name}: {describe(side)}")
     print("kernels:")
     if layout.split:
-        print("  calibrate  once per layer, before the first fill: choose each KV head's outlier channels from sample K/V")
+        print("  calibrate  once per layer, before the first fill: choose each KV head's outlier channels "
+              "from sample K/V")
     if layout.centered:
         print("  calibrate  once per layer, before the first fill: each KV head's mean key from sample K")
     print("  fill     quantize new tokens [T, H, d] and write them to slot_mapping's slots (negative = skip)")
@@ -174,7 +180,8 @@ def _explain(args: argparse.Namespace) -> int:
         print("           keys minus their head's mean (key_mean) before the rotation; flatten adds it back")
     if scheme.window:
         first = f"first {scheme.sinks} and " if scheme.sinks else ""
-        print(f"           and copy each sequence's {first}last {scheme.window} into its ring row (positions, window_index)")
+        print(f"           and copy each sequence's {first}last {scheme.window} into its ring row "
+              "(positions, window_index)")
     for side in layout.per_channel:
         print(f"           {side.name}: when a token completes a group of {side.token_group}, quantize the group "
               "from this call's tokens and the ring")
@@ -186,8 +193,8 @@ def _explain(args: argparse.Namespace) -> int:
     if turned:
         print("           " + " and ".join(turned))
     if layout.projects_query:
-        print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, a launch of its "
-              "own")
+        print("           the query: rotated and projected for QJL's dot (S q) by _rotate_query_kernel, "
+              "a launch of its own")
     elif not layout.fuses_query_rotation and layout.rotates_query:
         print("           the query: rotated by _rotate_query_kernel, a launch of its own (K's scale-group dots read "
               "its rows a group at a time)")
@@ -210,13 +217,15 @@ def _explain(args: argparse.Namespace) -> int:
     where = {"split": "the last of each (sequence, KV head)'s split programs to finish (a ticket per pair)",
              "window": "_window_decode_kernel, after the quantized splits"}.get(layout.decode_merge)
     if where:
-        print(f"           merge: {where}, where query heads per KV head x splits <= {layout.MERGE_ROWS[layout.decode_merge]} "
-              "(else _decode_reduce_kernel; DecodePlan.merge says which)")
+        print(f"           merge: {where}, where query heads per KV head x splits "
+              f"<= {layout.MERGE_ROWS[layout.decode_merge]} (else _decode_reduce_kernel; DecodePlan.merge says which)")
     elif layout.split:
-        print("           merge: _merge_parts_kernel, a launch of its own: every part's splits, put back in channel order")
+        print("           merge: _merge_parts_kernel, a launch of its own: every part's splits, "
+              "put back in channel order")
     else:
-        print("           merge: _decode_reduce_kernel, a launch of its own (" + ("QJL's second output" if layout.value.qjl
-              else "the window's output is mapped in torch first") + ")")
+        print("           merge: _decode_reduce_kernel, a launch of its own ("
+              + ("QJL's second output" if layout.value.qjl else "the window's output is mapped in torch first")
+              + ")")
     if layout.maps_by_matrix:
         print("           the padded head: mapped by dense matrices in _map_rows_kernel")
     if layout.decode_replays:
@@ -243,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")  # a scheme's text may hold lone surrogates
-    parser = argparse.ArgumentParser(prog="kvqc", description="Compile KV-cache quantization schemes to Triton kernels.")
+    parser = argparse.ArgumentParser(prog="kvqc",
+                                     description="Compile KV-cache quantization schemes to Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="render schemes into generated/<name>.py")
     p.add_argument("schemes", nargs="*", help="scheme files (default: the shipped schemes)")
-    p.add_argument("--out", default="generated", help="output directory (default: generated/ under the working directory)")
+    p.add_argument("--out", default="generated",
+                   help="output directory (default: generated/ under the working directory)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a module differs from its scheme")
     p.add_argument("--force", action="store_true", help="replace modules built from other scheme files")
     p.set_defaults(run=_build)

@@ -5,7 +5,8 @@
     kv = kvqc.modules.load("my_scheme.yaml")             # rendered on the fly into the cache directory
 
 A bare name is the module `kvqc build` wrote under the working directory (`generated/<name>.py`) when there is one,
-else the shipped scheme of that name (kvqc/schemes/<name>.yaml), rendered as any .yaml is. A .yaml is validated and rendered with kvqc.compiler.codegen.render, then written once to
+else the shipped scheme of that name (kvqc/schemes/<name>.yaml), rendered as any .yaml is. A .yaml is validated and
+rendered with kvqc.compiler.codegen.render, then written once to
 `$KVQC_CACHE_DIR/<name>-<sha256 of the source, 12 hex>.py` (default `~/.cache/kvqc`): Triton reads a kernel's
 source back from its file, so a module must live in a real file. Modules are imported by file path (never by
 package name) and cached: a second load of the same file returns the same module object.
@@ -84,8 +85,8 @@ def resolve(scheme: str | Path) -> Path:
     if (SCHEMES / f"{text}.yaml").is_file():
         return _render(SCHEMES / f"{text}.yaml")
     known = sorted(p.stem for p in SCHEMES.glob("*.yaml"))
-    raise FileNotFoundError(f"{text}: no {target} here and no shipped scheme of that name (shipped: {', '.join(known)}); "
-                            "pass a .yaml or .py path")
+    raise FileNotFoundError(f"{text}: no {target} here and no shipped scheme of that name "
+                            f"(shipped: {', '.join(known)}); pass a .yaml or .py path")
 
 
 def _render(path: Path) -> Path:

@@ -64,7 +64,9 @@ def printable(text: str) -> str:
     overrides, lone surrogates) written as a Python escape: what is shown is what is there, on one line."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text
+    )
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,10 @@ class Scheme:
             return d * t.code_bits + 8 * metadata_bytes * len(t.metadata) * t.groups(d) if d else 0.0
 
         return tuple(  # type: ignore[return-value]
-            ((bits(t.outlier_part, t.part_dims(head_dim)[0]) if t.outliers else 0.0) + bits(t, t.part_dims(head_dim)[1]))
+            (
+                (bits(t.outlier_part, t.part_dims(head_dim)[0]) if t.outliers else 0.0)
+                + bits(t, t.part_dims(head_dim)[1])
+            )
             / head_dim
             for t in (self.key, self.value)
         )
@@ -482,7 +487,10 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         if path != "key":
             f.fail("center", "only keys are centered (attention cancels a key mean, not a value mean); remove it")
         if t.per_channel:
-            f.fail("center", "per-channel scales already remove each channel's offset; remove center or use axis: token")
+            f.fail(
+                "center",
+                "per-channel scales already remove each channel's offset; remove center or use axis: token",
+            )
         if f.has("outliers"):
             f.fail("center", "a centered side cannot have a channel split; remove center or outliers")
         if t.packing != "split":
@@ -492,7 +500,10 @@ def _tensor(source: str, path: str, data: Any) -> TensorScheme:
         t = replace(t, outliers=_outliers(source, f.field("outliers"), f.data["outliers"], t))
         _check_combination(f, t.outlier_part, "outliers.")
         if t.per_channel:
-            f.fail("outliers", "per-channel scales already give each channel its own range; remove outliers or use axis: token")
+            f.fail(
+                "outliers",
+                "per-channel scales already give each channel its own range; remove outliers or use axis: token",
+            )
         if t.packing != "split":
             f.fail("packing", "a channel split needs split packing; use split")
     return t
@@ -502,12 +513,21 @@ def _outliers(source: str, path: str, data: Any, side: TensorScheme) -> Outliers
     f = _Fields(source, path, data, ("fraction", "select", "codebook", "residual", "channels"))
     fraction = f.require("fraction")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        f.fail("fraction", f"expected the share of head_dim's channels, a number between 0 and 1 (0.25: 32 of 128), got {_show(fraction)}")
+        f.fail(
+            "fraction",
+            f"expected the share of head_dim's channels, a number between 0 and 1 (0.25: 32 of 128), "
+            f"got {_show(fraction)}",
+        )
     select = f.choice("select", OUTLIER_SELECTS, default="variance")
     channels = None
     if select == "fixed":
         raw = f.require("channels")
-        if not isinstance(raw, list) or not raw or any(type(c) is not int or not 0 <= c < 4096 for c in raw) or len(set(raw)) != len(raw):
+        if (
+            not isinstance(raw, list)
+            or not raw
+            or any(type(c) is not int or not 0 <= c < 4096 for c in raw)
+            or len(set(raw)) != len(raw)
+        ):
             f.fail("channels", f"expected a list of distinct channel indices (ints from 0), got {_show(raw)}")
         channels = tuple(sorted(raw))
     elif f.has("channels"):
@@ -524,20 +544,35 @@ def _outliers(source: str, path: str, data: Any, side: TensorScheme) -> Outliers
 def _check_combination(f: _Fields, t: TensorScheme, prefix: str) -> None:
     """Combinations the templates cannot honour are refused here, never compiled into something wrong."""
     if t.codebook.kind == "lloyd_max" and t.scale.kind != "norm":
-        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind lloyd_max indexes a unit vector and needs scale: norm")
+        f.fail(
+            prefix + "codebook" if prefix else "scale",
+            "codebook kind lloyd_max indexes a unit vector and needs scale: norm",
+        )
     if t.codebook.kind == "uniform" and t.scale.kind not in ("minmax", "absmax"):
-        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind uniform is an integer grid and needs scale: minmax or absmax")
+        f.fail(
+            prefix + "codebook" if prefix else "scale",
+            "codebook kind uniform is an integer grid and needs scale: minmax or absmax",
+        )
     if t.codebook.kind == "uniform" and t.scale.kind == "absmax" and t.codebook.bits < 2:
         f.fail(prefix + "codebook.bits", "a symmetric (absmax) grid needs 2 or more bits; use scale: minmax for 1 bit")
     if t.codebook.kind == "fp8" and t.scale.kind != "absmax":
-        f.fail(prefix + "codebook" if prefix else "scale", "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)")
+        f.fail(
+            prefix + "codebook" if prefix else "scale",
+            "codebook kind fp8 needs scale: absmax (the largest |y| maps to the format's largest value)",
+        )
     if t.scale.unbiased and t.residual.kind == "qjl":
-        f.fail(prefix + "residual" if prefix else "scale.unbiased", "a qjl residual is already unbiased; remove unbiased or use residual: none or sign")
+        f.fail(
+            prefix + "residual" if prefix else "scale.unbiased",
+            "a qjl residual is already unbiased; remove unbiased or use residual: none or sign",
+        )
     if t.scale.group_size and not t.per_channel and t.packing == "interleaved" and t.code_bits < 8:
         f.fail("packing", "scale groups need split packing (groups are runs of stored positions); use split")
     if t.residual.kind != "none" and t.codebook.kind != "lloyd_max" and (t.scale.group_size or t.per_channel):
         # The residual's one stored value (RMS or norm) is per token: it would need a place beside every group.
-        f.fail(prefix + "residual", f"a {t.residual.kind} residual needs one scale per token (no scale.group_size); use residual: none")
+        f.fail(
+            prefix + "residual",
+            f"a {t.residual.kind} residual needs one scale per token (no scale.group_size); use residual: none",
+        )
     if t.per_channel and t.rotation.kind != "none":
         # Per-channel scales exist to fence off outlier channels, and a rotation spreads every channel over all.
         f.fail("rotation", "per-channel scales (scale.axis: channel) work on the channels as given; use rotation: none")
@@ -558,9 +593,17 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
     if not isinstance(name, str) or not NAME_RE.match(name):
         f.fail("name", f"expected a lowercase identifier like turbo_k4v2 ([a-z][a-z0-9_]*), got {_show(name)}")
     if keyword.iskeyword(name):
-        f.fail("name", f"'{name}' is a Python keyword, so {name}.py cannot be imported by name; choose another name, e.g. {name}_kv")
+        f.fail(
+            "name",
+            f"'{name}' is a Python keyword, so {name}.py cannot be imported by name; "
+            f"choose another name, e.g. {name}_kv",
+        )
     if name in SHADOWED_MODULES:
-        f.fail("name", f"'{name}' would build {name}.py, which code run from its folder imports in place of the module {name}; choose another name, e.g. {name}_kv")
+        f.fail(
+            "name",
+            f"'{name}' would build {name}.py, which code run from its folder imports in place of the module {name}; "
+            f"choose another name, e.g. {name}_kv",
+        )
     description = f.data.get("description", "")
     if not isinstance(description, str) or len(description) > 2000:
         f.fail("description", "expected a string of at most 2000 characters")
@@ -571,7 +614,10 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         or any(type(d) is not int or d not in SUPPORTED_HEAD_DIMS for d in head_dims)
         or len(set(head_dims)) != len(head_dims)
     ):
-        f.fail("head_dims", f"expected a list of distinct values from {list(SUPPORTED_HEAD_DIMS)}, got {_show(head_dims)}")
+        f.fail(
+            "head_dims",
+            f"expected a list of distinct values from {list(SUPPORTED_HEAD_DIMS)}, got {_show(head_dims)}",
+        )
     scheme = Scheme(
         name=name,
         version=version,
@@ -588,7 +634,10 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         f.fail("head_dims", f"a centered key needs power-of-two head_dims; remove {odd}")
     if scheme.sinks and not scheme.window:
         # The sinks live in the per-sequence rows the window's ring has, read by the ring's decode split.
-        f.fail("sinks", "attention sinks are kept in the recent-token window's per-sequence rows; add window: N at the top level")
+        f.fail(
+            "sinks",
+            "attention sinks are kept in the recent-token window's per-sequence rows; add window: N at the top level",
+        )
     for side in ("key", "value"):
         t: TensorScheme = getattr(scheme, side)
         if t.outliers:
@@ -607,7 +656,11 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
         if t.per_channel:
             g = t.scale.group_size
             if scheme.sinks:
-                f.fail("sinks", f"{side}'s per-channel scales with attention sinks are not supported; remove sinks or use scale.axis: token")
+                f.fail(
+                    "sinks",
+                    f"{side}'s per-channel scales with attention sinks are not supported; remove sinks or use "
+                    "scale.axis: token",
+                )
             odd = [d for d in scheme.head_dims if d & (d - 1)]
             if odd:
                 f.fail("head_dims", f"{side}'s per-channel scales need power-of-two head_dims; remove {odd}")
@@ -623,7 +676,8 @@ def scheme_from_dict(data: Any, source: str = "<memory>", default_name: str | No
                 f.fail(
                     f"{side}.scale.group_size",
                     f"a group's metadata is spread over its {g} slots, {uneven[0]} / {g} channels a slot, which needs "
-                    f"group_size to divide head_dim {uneven[0]}; use a group_size of at most {uneven[0]} or remove {uneven}",
+                    f"group_size to divide head_dim {uneven[0]}; use a group_size of at most {uneven[0]} "
+                    f"or remove {uneven}",
                 )
             continue
         # Kernels unpack chunks of d * narrowest / 8 consecutive columns. A scale group either lies inside one
@@ -656,13 +710,24 @@ def _check_split(f: _Fields, scheme: Scheme, side: str, t: TensorScheme) -> None
     for d in scheme.head_dims:
         n = o.count(d)
         if abs(d * o.fraction - n) > 1e-9 or not 0 < n < d:
-            f.fail(f"{where}.fraction", f"{o.fraction} of head_dim {d} is not a whole number of channels between 1 and {d - 1}; use a multiple of 1/{d}")
+            f.fail(
+                f"{where}.fraction",
+                f"{o.fraction} of head_dim {d} is not a whole number of channels between 1 and {d - 1}; "
+                f"use a multiple of 1/{d}",
+            )
     if o.channels is not None:
         if len(scheme.head_dims) != 1:
-            f.fail(f"{where}.channels", f"fixed channels name one head_dim's channels; list one head_dim, got {list(scheme.head_dims)}")
+            f.fail(
+                f"{where}.channels",
+                f"fixed channels name one head_dim's channels; list one head_dim, got {list(scheme.head_dims)}",
+            )
         d = scheme.head_dims[0]
         if len(o.channels) != o.count(d) or max(o.channels) >= d:
-            f.fail(f"{where}.channels", f"expected {o.count(d)} distinct channels 0..{d - 1} ({o.fraction} of head_dim {d}), got {len(o.channels)} up to {max(o.channels)}")
+            f.fail(
+                f"{where}.channels",
+                f"expected {o.count(d)} distinct channels 0..{d - 1} ({o.fraction} of head_dim {d}), "
+                f"got {len(o.channels)} up to {max(o.channels)}",
+            )
     for label, part, index in ((f"{where}.codebook", t.outlier_part, 0), (f"{side}.codebook", t, 1)):
         what = "outlier" if index == 0 else "other"
         narrowest = min(b for b in (1, 2, 4, 8) if part.code_bits & b)
@@ -671,19 +736,28 @@ def _check_split(f: _Fields, scheme: Scheme, side: str, t: TensorScheme) -> None
             if p * narrowest % 8 or p * narrowest // 8 < 16:
                 f.fail(
                     label,
-                    f"at head_dim {d} the {p} {what} channels with {part.code_bits}-bit codes unpack {p * narrowest / 8:g}-column "
-                    f"chunks (a {narrowest}-bit plane); kernels need whole chunks of 16 or more: change fraction or bits",
+                    f"at head_dim {d} the {p} {what} channels with {part.code_bits}-bit codes unpack "
+                    f"{p * narrowest / 8:g}-column chunks (a {narrowest}-bit plane); kernels need whole chunks of 16 "
+                    "or more: change fraction or bits",
                 )
             if part.rotation.kind == "hadamard":
                 try:
                     rotation.hadamard_factors(p)
                 except ValueError:
-                    f.fail(f"{where}.fraction", f"at head_dim {d} the {p} {what} channels have no Hadamard matrix (orders 2^k, 12 * 2^k, 20 * 2^k); change fraction")
+                    f.fail(
+                        f"{where}.fraction",
+                        f"at head_dim {d} the {p} {what} channels have no Hadamard matrix "
+                        "(orders 2^k, 12 * 2^k, 20 * 2^k); change fraction",
+                    )
             g = part.scale.group_size
             chunk = p * narrowest // 8
             # As for a whole side (_group_fits), except that a group may span chunks only of an unpadded part.
             if g and not (_group_fits(g, p, chunk) and (chunk % g == 0 or not p & (p - 1))):
-                f.fail(f"{side}.scale.group_size", f"group_size {g} must divide the {chunk}-column chunks of the {p} {what} channels at head_dim {d}; use a group_size that divides {chunk}")
+                f.fail(
+                    f"{side}.scale.group_size",
+                    f"group_size {g} must divide the {chunk}-column chunks of the {p} {what} channels at head_dim {d}; "
+                    f"use a group_size that divides {chunk}",
+                )
 
 
 def _group_fits(group_size: int, head_dim: int, chunk: int) -> bool:

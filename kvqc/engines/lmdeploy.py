@@ -93,7 +93,8 @@ def slot_mapping(
         past = (q_len > 0) & (position >= 0) & (torch.div(position, block_size, rounding_mode="floor") >= width)
         if bool(past.any()):
             seq = int(past.nonzero()[0])
-            raise ValueError(f"block_offsets: sequence {seq} reaches past its {width} columns (kv_seq_length too large?)")
+            raise ValueError(f"block_offsets: sequence {seq} reaches past its {width} columns "
+                             "(kv_seq_length too large?)")
         start = q_start_loc.to(torch.int64)
         if bool(((q_len > 0) & ((start < 0) | (start + q_len > num_tokens))).any()):
             raise ValueError(f"q_start_loc: a sequence's tokens fall outside the {num_tokens} rows of k_states")
@@ -209,8 +210,8 @@ class Kernels:
             )
         if hasattr(module, "calibrate"):
             raise ValueError(
-                f"module: {name} splits off outlier channels, which LMDeploy's four cache tensors per layer cannot hold "
-                "(use a scheme without outliers)"
+                f"module: {name} splits off outlier channels, which LMDeploy's four cache tensors per layer cannot "
+                "hold (use a scheme without outliers)"
             )
         grouped = [side for side in ("KEY", "VALUE") if getattr(module, f"{side}_GROUP_SIZE", None)]
         if grouped:
@@ -426,7 +427,8 @@ def install(module_or_name: ModuleType | str | Path = "turbo_k4v2", quant_policy
         package = importlib.import_module("lmdeploy.pytorch.kernels.cuda")
     except ImportError:
         raise ImportError(
-            f"kvqc.engines.lmdeploy.install needs LMDeploy's PyTorch engine: pip install 'lmdeploy=={LMDEPLOY_VERSION}.*'"
+            "kvqc.engines.lmdeploy.install needs LMDeploy's PyTorch engine: "
+            f"pip install 'lmdeploy=={LMDEPLOY_VERSION}.*'"
         ) from None
     version = getattr(sys.modules.get("lmdeploy"), "__version__", "unknown")
     if not str(version).startswith(LMDEPLOY_VERSION + "."):

@@ -124,8 +124,8 @@ def _check_backend(backend: str, device: torch.device | None) -> None:
     if backend == "triton":
         if modules.interpreting() or modules.triton_library_interpreted():
             raise RuntimeError(
-                "backend 'triton': TRITON_INTERPRET=1 is set (or was when triton was imported), so the kernels would be "
-                "interpreted, not compiled; "
+                "backend 'triton': TRITON_INTERPRET=1 is set (or was when triton was imported), so the kernels would "
+                "be interpreted, not compiled; "
                 "use backend='interpreter' or unset TRITON_INTERPRET"
             )
         if not torch.cuda.is_available():
@@ -387,7 +387,8 @@ class QuantizedLayer(_Layer):
         v = value.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous()
         positions = position.view(-1).to(self.device)
         rows = self._rows().repeat_interleave(tokens)
-        chosen = [getattr(self.cache, f) for f in ("key_channels", "value_channels", "key_mean") if hasattr(self.cache, f)]
+        chosen = [getattr(self.cache, f) for f in ("key_channels", "value_channels", "key_mean")
+                  if hasattr(self.cache, f)]
         if any(c is None for c in chosen):
             # A channel split's outlier channels and a centered key's mean are set once per layer: from the
             # calibration samples given, else from the first tokens stored (the prompt's), padding excluded.
@@ -407,7 +408,8 @@ class QuantizedLayer(_Layer):
         return list(zip(k.split(self.seq_lens), v.split(self.seq_lens)))
 
     def decode(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.ops.decode(query.contiguous(), self.cache, self.block_tables, self.seq_lens_tensor(), scale, self._rows())
+        return self.ops.decode(query.contiguous(), self.cache, self.block_tables, self.seq_lens_tensor(), scale,
+                               self._rows())
 
 
 class FullPrecisionLayer(_Layer):

@@ -9,8 +9,8 @@ AttentionMetadataBuilder / CommonAttentionMetadata`, `vllm.v1.kv_cache_interface
 releases moved these (0.33 has `vllm.v1.attention.backend` and per-layout cache specs) and are not supported.
 Nothing is imported from vllm until `register()` or one of the backend classes is asked for; the tensor work
 below (`carve`, `Metadata`, `forward`) is plain torch and tested without vLLM. The classes vLLM pickles or looks up
-by name (the spec, builder, impl, backend) are attributes `kvqc.engines.vllm.<Name>` of this module, defined on first use
-in each process. `register()` never raises: vLLM does not catch what a plugin raises, so a missing or other vLLM
+by name (the spec, builder, impl, backend) are attributes `kvqc.engines.vllm.<Name>` of this module, defined on first
+use in each process. `register()` never raises: vLLM does not catch what a plugin raises, so a missing or other vLLM
 must not stop it from starting.
 
 The cache: vLLM gives each layer one raw byte tensor of num_blocks pages, viewed through the backend's
@@ -176,8 +176,8 @@ def scheme_module() -> ModuleType:
     module = paged.load_module(os.environ.get(SCHEME_ENV) or DEFAULT_SCHEME)
     if hasattr(module, "WINDOW"):
         raise ValueError(
-            f"{SCHEME_ENV}: {module.SCHEME['name']} keeps each sequence's last {module.WINDOW} tokens in a ring row per "
-            "sequence, which this backend does not allocate yet (use a scheme without window)"
+            f"{SCHEME_ENV}: {module.SCHEME['name']} keeps each sequence's last {module.WINDOW} tokens in a ring row "
+            "per sequence, which this backend does not allocate yet (use a scheme without window)"
         )
     if hasattr(module, "calibrate"):
         raise ValueError(
@@ -372,8 +372,8 @@ def register() -> None:
     try:
         _register()
     except Exception as error:  # noqa: BLE001 - the plugin must never stop vLLM from starting
-        _warn_once(f"kvqc.engines.vllm: the kvqc attention backend is not registered ({type(error).__name__}: {error}); "
-                   f"it needs vllm=={VLLM_VERSION}.*")
+        _warn_once("kvqc.engines.vllm: the kvqc attention backend is not registered "
+                   f"({type(error).__name__}: {error}); it needs vllm=={VLLM_VERSION}.*")
 
 
 def _register() -> None:

@@ -67,7 +67,9 @@ class SideReference:
             byte = torch.zeros(n, d // k, dtype=torch.int64)
             for i in range(k):
                 # interleaved: byte j, field i holds coordinate j*k + i; split: coordinate i*(d/k) + j
-                part = field[:, i::k] if self.s.packing == "interleaved" else field[:, i * (d // k) : (i + 1) * (d // k)]
+                part = (
+                    field[:, i::k] if self.s.packing == "interleaved" else field[:, i * (d // k) : (i + 1) * (d // k)]
+                )
                 byte |= part << (i * plane.width)
             out.append(byte)
         return torch.cat(out, dim=1).to(torch.uint8)
@@ -401,7 +403,11 @@ class Reference:
             if getattr(self.scheme, base).center == "calibrated":
                 x = x.to(torch.float64) - self.key_mean(cache)
             d = x.shape[-1]
-            parts = self.split(base, x, getattr(cache, f"{base}_channels")) if getattr(self.layout, base).split else {base: x}
+            parts = (
+                self.split(base, x, getattr(cache, f"{base}_channels"))
+                if getattr(self.layout, base).split
+                else {base: x}
+            )
             for name, xp in parts.items():
                 codes, meta = self._blocks(cache, name)
                 q = self.quantize(name, xp.reshape(-1, xp.shape[-1]), meta.dtype, head_dim=d)
@@ -431,7 +437,9 @@ class Reference:
     def key_mean(self, cache: Any) -> torch.Tensor:
         """float64 [num_kv_heads, head_dim]: the mean key each head's keys are quantized against (calibrate's)."""
         if cache.key_mean is None:
-            raise ValueError(f"cache.key_mean: {self.scheme.name} quantizes each key minus its head's mean; calibrate first")
+            raise ValueError(
+                f"cache.key_mean: {self.scheme.name} quantizes each key minus its head's mean; calibrate first"
+            )
         return cache.key_mean.cpu().to(torch.float64)
 
     def exact_slot(self, position: int) -> int:
@@ -456,7 +464,9 @@ class Reference:
         side = getattr(self.layout, name)
         if side.split and not part:
             # Each part (one of name's cache tensors) dequantized on its own, then put back in channel order.
-            parts = [self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.layout.parts(name)]
+            parts = [
+                self.gather(cache, p.name, block_table, seq_len, window_row, True) for p in self.layout.parts(name)
+            ]
             return self.join(name, parts, getattr(cache, f"{name}_channels"))
         codes, meta = self._blocks(cache, name)
         block_size, h = codes.shape[1], codes.shape[2]
@@ -464,16 +474,23 @@ class Reference:
         # Per-channel scales dequantize whole groups: every token before the window lies in a complete one.
         span = -(-quantized // side.token_group) * side.token_group if side.per_channel else quantized
         position = torch.arange(span)
-        at = (block_table.cpu().to(torch.int64)[position // block_size].to(codes.device), (position % block_size).to(codes.device))
+        at = (
+            block_table.cpu().to(torch.int64)[position // block_size].to(codes.device),
+            (position % block_size).to(codes.device),
+        )
         c, m = codes[at].cpu(), meta[at].cpu()  # gather, then copy
         if side.per_channel:
             ref, g = self.side(name, cache.head_dim), side.token_group
             x = torch.zeros(span, h, cache.head_dim, dtype=torch.float64)
             for start in range(0, span, g):
                 for head in range(h):
-                    x[start : start + g, head] = ref.dequantize_channels(c[start : start + g, head], m[start : start + g, head])
+                    x[start : start + g, head] = ref.dequantize_channels(
+                        c[start : start + g, head], m[start : start + g, head]
+                    )
         else:
-            x = self.dequantize(name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim)
+            x = self.dequantize(
+                name, c.reshape(span * h, c.shape[-1]), m.reshape(span * h, m.shape[-1]), cache.head_dim
+            )
             x = x.view(span, h, self.side(name, cache.head_dim).d)
         x = x[:quantized]
         if name == "key" and self.scheme.key.center == "calibrated":

@@ -115,7 +115,8 @@ def rotation_count(copy_bytes: int, l2_bytes: int, free_bytes: int, fraction: fl
     return min(L2_MULTIPLE * l2_bytes // max(1, copy_bytes) + 1, fit)
 
 
-def decode_bytes(batch: int, context: int, kv_heads: int, bytes_per_token: int, window: int = 0, head_dim: int = 0) -> int:
+def decode_bytes(batch: int, context: int, kv_heads: int, bytes_per_token: int, window: int = 0,
+                 head_dim: int = 0) -> int:
     """Bytes decode must read: quantized tokens, and a window scheme's last `window` tokens in fp16 (K and V)."""
     recent = min(window, context)
     return batch * kv_heads * ((context - recent) * bytes_per_token + recent * 2 * head_dim * 2)
@@ -281,7 +282,8 @@ def _populate(module: ModuleType, cache, block_tables: torch.Tensor, seq_len: in
 
 def _clone_cache(module: ModuleType, cache):
     batch = cache.key_window.shape[0] if hasattr(cache, "key_window") else 0
-    copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch, cache.layout)
+    copy = _allocate(module, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, batch,
+                     cache.layout)
     for field in _fields(cache):
         getattr(copy, field).copy_(getattr(cache, field))
     for base in ("key", "value"):
@@ -397,7 +399,8 @@ def _measure_attend(module: ModuleType, row: dict, caches: list, block_tables: t
     starts = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32, device=DEVICE)
     row["attend_tokens"] = q_len
     rows = _rows(module, b)
-    row["attend_scratch_mib"] = _scratch_mib(lambda: module.attend(query, caches[0], block_tables, seq_lens, starts, **rows))
+    row["attend_scratch_mib"] = _scratch_mib(
+        lambda: module.attend(query, caches[0], block_tables, seq_lens, starts, **rows))
     row["attend_ms"] = _bench(_rotating(lambda c: module.attend(query, c, block_tables, seq_lens, starts, **rows),
                                         [(c,) for c in caches]))
 

@@ -264,8 +264,8 @@ def checkout() -> dict[str, Any] | None:
     import subprocess
 
     def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *argv], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *argv], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
 
     try:
         commit = git("rev-parse", "HEAD")
@@ -430,7 +430,8 @@ def table(results: list[dict[str, Any]]) -> str:
         cos = r["layer_cosine"] or [float("nan")]
         name = r["scheme"] + ("*" if r.get("policy") else "")
         lines.append(
-            f"{name:<22} {k:>6.2f} {v:>6.2f} {r['perplexity']:>9.4f} {r['perplexity'] - r['baseline_perplexity']:>+8.4f} "
+            f"{name:<22} {k:>6.2f} {v:>6.2f} {r['perplexity']:>9.4f} "
+            f"{r['perplexity'] - r['baseline_perplexity']:>+8.4f} "
             f"{r['teacher_forced_top1_agreement']:>6.3f} {r['greedy_agreement']:>6.3f} {min(cos):>8.5f} "
             f"{sum(cos) / len(cos):>8.5f} {r['seconds']:>7.1f}"
         )
@@ -638,7 +639,10 @@ def _run(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--calibration-text {args.calibration_text}: "
                              f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
-    print(f"kvqc eval: backend {backend} ({'compiled Triton kernels' if backend == 'triton' else 'Triton interpreter' if backend == 'interpreter' else 'kvqc float64 reference'}), device {device}", file=sys.stderr)
+    print(f"kvqc eval: backend {backend} ("
+          + ("compiled Triton kernels" if backend == "triton"
+             else "Triton interpreter" if backend == "interpreter" else "kvqc float64 reference")
+          + f"), device {device}", file=sys.stderr)
     print(f"kvqc eval: loading {path}", file=sys.stderr)
     load_started = time.perf_counter()
     model, tokenizer = load_model(path, device)
@@ -684,7 +688,8 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS]
     for (name, _), ids in zip(texts, text_ids):
         if ids.shape[1] < 2:
-            raise UsageError(f"{'the built-in text' if name == 'built-in' else '--text ' + name} has fewer than 2 tokens")
+            raise UsageError(f"{'the built-in text' if name == 'built-in' else '--text ' + name} "
+                             "has fewer than 2 tokens")
     dtype = model.dtype
     metadata_bytes = torch.empty((), dtype=dtype).element_size()
     # Per text: what was measured, identified by content (the file's bytes as read, and the tokens used).

@@ -7,8 +7,8 @@ disagrees anywhere, or fails to compile or launch, is out. Times are one decode 
 replays one call per cache copy (copies together exceed 4x L2), so the wrapper's host work does not hide the kernel.
 The best variant per (scheme, head_dim) minimizes the geometric mean of its time over the default's across the
 shapes; where the default itself fails (a head_dim whose tiles do not fit it), over the fastest variant's, and any
-variant that runs everywhere beats it. `--write` puts the winners into kvqc/compiler/templates/decode_tuning.json, which `kvqc build` renders into
-each module (a build-time choice; the table names the device it was tuned on).
+variant that runs everywhere beats it. `--write` puts the winners into kvqc/compiler/templates/decode_tuning.json,
+which `kvqc build` renders into each module (a build-time choice; the table names the device it was tuned on).
 
 Compilation dominates a sweep (one Triton compile per variant and split length), so worker processes compile every
 variant first, in parallel, into Triton's on-disk cache; the timing pass then runs alone on the GPU.
@@ -49,14 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiles", nargs="+", metavar="BN,WARPS,STAGES[,MAXNREG]",
                         help="tile settings to sweep (default: " + " ".join(",".join(map(str, t)) for t in TILES) + ")")
     parser.add_argument("--splits", nargs="+", metavar="PER_SM,MOST",
-                        help="split settings to sweep (default: " + " ".join(",".join(map(str, t)) for t in SPLITS) + ")")
+                        help="split settings to sweep (default: "
+                             + " ".join(",".join(map(str, t)) for t in SPLITS) + ")")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                         help="processes compiling variants before the timing pass (0: compile while timing)")
     parser.add_argument("--json", default="kvqc-tune.json", metavar="FILE", help="every measurement")
     parser.add_argument("--compile-only", action="store_true",
                         help="no sweep: compile each module's own decode settings for these shapes (before a bench)")
     parser.add_argument("--write", action="store_true",
-                        help="put the best variants into kvqc/compiler/templates/decode_tuning.json (then run `kvqc build`)")
+                        help="put the best variants into kvqc/compiler/templates/decode_tuning.json "
+                             "(then run `kvqc build`)")
 
 
 def config(tile: tuple, split: tuple) -> tuple:
@@ -197,7 +199,10 @@ def tune_shape(module, name: str, head_dim: int, batch: int, context: int, candi
             if not row["rel_err"] <= ERR_MAX:
                 row["status"] = "wrong"
             else:
-                call = bench._rotating(lambda c: module.decode(query, c, block_tables, seq_lens, **bench._rows(module, query.shape[0])), [(c,) for c in caches])
+                call = bench._rotating(
+                    lambda c: module.decode(query, c, block_tables, seq_lens, **bench._rows(module, query.shape[0])),
+                    [(c,) for c in caches],
+                )
                 row["ms"] = bench.graph_ms(call, copies, _quick_bench)
                 row["status"] = "ok"
         except Exception as exc:
@@ -249,7 +254,8 @@ def write_table(path: Path, winners: dict, header: dict) -> None:
     table["schemes"] = {k: dict(sorted(table["schemes"][k].items(), key=lambda kv: -int(kv[0])))
                         for k in sorted(table["schemes"])}
     text = json.dumps(table, indent=2) + "\n"
-    text = re.sub(r"\[\s+([\d,\s]+?)\s+\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+    text = re.sub(r"\[\s+([\d,\s]+?)\s+\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
+                  text)
     path.write_text(text, encoding="utf-8")
 
 

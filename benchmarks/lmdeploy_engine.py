@@ -440,7 +440,8 @@ def run_one(spec: dict) -> dict:
     if scheme:
         from kvqc.engines import lmdeploy as kvqc_lmdeploy
         # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
-        kvqc_lmdeploy.install(scheme, quant_policy=policy, allow_incompatible=policy not in kvqc_lmdeploy.BYTE_COMPATIBLE)
+        kvqc_lmdeploy.install(scheme, quant_policy=policy,
+                              allow_incompatible=policy not in kvqc_lmdeploy.BYTE_COMPATIBLE)
     length, batch, new = spec["prompt"], spec["batch"], spec["new_tokens"]
     block = 64  # LMDeploy's default block_size; session_len rounded up to whole blocks
     config = PytorchEngineConfig(
@@ -520,8 +521,8 @@ def spawn(spec: dict, work: Path, timeout: int) -> dict:
     began = time.perf_counter()
     with open(log, "w") as f:
         try:
-            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child", json.dumps(spec)], stdout=f,
-                           stderr=subprocess.STDOUT, timeout=timeout, check=False)
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child", json.dumps(spec)],
+                           stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             return {"failed": True, "error": f"timed out after {timeout} s", "log": str(log)}
     result_path = Path(spec["result"])

@@ -98,7 +98,9 @@ def test_attend_matches_causal_reference(name):
 
 @pytest.mark.parametrize(
     "starts, match",
-    [([0, 40, 49, 50], "query_start_loc"), ([1, 40, 49, 50, 50], "query_start_loc"), ([0, 30, 20, 50, 50], "query_start_loc"),
+    [([0, 40, 49, 50], "query_start_loc"),
+     ([1, 40, 49, 50, 50], "query_start_loc"),
+     ([0, 30, 20, 50, 50], "query_start_loc"),
      ([0, 1, 49, 50, 50], "sequence 1 has 48")],
 )
 def test_attend_refuses_bad_offsets(starts, match):

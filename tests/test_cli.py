@@ -131,7 +131,9 @@ def assert_good_module(scheme_path: Path, target: Path, *, rerender: bool = True
 
 
 # spec's refusal of head_dims whose column chunks would be narrower than 16 for a side's narrowest bit plane.
-_NARROW_CHUNKS = re.compile(r"(key|value)'s [1-8]-bit codes need head_dim >= (?:16|32|64|128) \(a [1248]-bit plane\); remove \[.*\]")
+_NARROW_CHUNKS = re.compile(
+    r"(key|value)'s [1-8]-bit codes need head_dim >= (?:16|32|64|128) \(a [1248]-bit plane\); remove \[.*\]"
+)
 
 
 def check_build(scheme_path: Path, out_dir: Path, *, sections: set[str] | None = None) -> bool:
@@ -185,9 +187,9 @@ def seeded_out(tmp: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", SCHEMES)
 def test_committed_module_is_current(name):
     """The stale-module guard: every committed module is exactly what the current compiler renders."""
-    assert (GENERATED / f"{name}.py").read_text(encoding="utf-8") == codegen.render(load_scheme(SCHEME_DIR / f"{name}.yaml")), (
-        f"generated/{name}.py is stale: run `kvqc build`"
-    )
+    assert (GENERATED / f"{name}.py").read_text(encoding="utf-8") == codegen.render(
+        load_scheme(SCHEME_DIR / f"{name}.yaml")
+    ), f"generated/{name}.py is stale: run `kvqc build`"
 
 
 def test_every_committed_module_has_a_scheme():
@@ -208,7 +210,9 @@ def test_build_all_is_reproducible(tmp_path):
     assert run("build", *paths, "--out", str(tmp_path / "b"))[0] == 0
     a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
     assert sorted(a) == ["__init__.py"] + [f"{n}.py" for n in SCHEMES]  # no temporary files left behind
-    assert a == b == {"__init__.py": b"", **{f"{n}.py": codegen.render(load_scheme(p)).encode() for n, p in zip(SCHEMES, paths)}}
+    assert a == b == {
+        "__init__.py": b"", **{f"{n}.py": codegen.render(load_scheme(p)).encode() for n, p in zip(SCHEMES, paths)}
+    }
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
     status, out, _ = run("build", *paths, "--out", str(tmp_path / "a"))
     assert status == 0 and out.splitlines() == [f"{tmp_path / 'a' / n}.py: up to date" for n in SCHEMES]
@@ -278,7 +282,9 @@ def test_one_bad_scheme_blocks_the_whole_build(tmp_path):
     bad = tmp_path / "zz_bad.yaml"
     bad.write_text(BASE_TEXT["int4_token"].replace("bits: 4}", "bits: 9}", 1))
     before = snapshot(out)
-    line = assert_clean_failure(*run("build", *(str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES), str(bad), "--out", str(out)), bad)
+    line = assert_clean_failure(
+        *run("build", *(str(SCHEME_DIR / f"{n}.yaml") for n in SCHEMES), str(bad), "--out", str(out)), bad
+    )
     assert line == f"kvqc: {bad}: key.codebook.bits: expected an integer 1..8, got 9"
     assert snapshot(out) == before
 
@@ -328,7 +334,10 @@ INT8 = "int8_token"
 BAD = {
     "syntax": (_edit(INT8, "key:\n", "key: [\n"), "invalid YAML: line"),
     "unknown_field": (BASE_TEXT[INT8] + "colour: blue\n", "colour: unknown field"),
-    "wrong_type": (_edit("turbo_k4v2", "bits: 3", "bits: three"), "key.codebook.bits: expected an integer 1..8, got 'three'"),
+    "wrong_type": (
+        _edit("turbo_k4v2", "bits: 3", "bits: three"),
+        "key.codebook.bits: expected an integer 1..8, got 'three'",
+    ),
     "out_of_range": (_edit(INT8, "bits: 8}", "bits: 9}"), "key.codebook.bits: expected an integer 1..8, got 9"),
     "huge_int": (
         _edit(INT8, "bits: 8}", f"bits: {2**200}}}"),
@@ -345,11 +354,16 @@ BAD = {
     ),
     "duplicate_key": (BASE_TEXT[INT8] + "version: 1\n", "duplicate key 'version'"),
     "anchor_alias": (
-        _edit(INT8, "key:\n  scale: minmax", "key:\n  scale: &s minmax").replace("value:\n  scale: minmax", "value:\n  scale: *s"),
+        _edit(INT8, "key:\n  scale: minmax", "key:\n  scale: &s minmax").replace(
+            "value:\n  scale: minmax", "value:\n  scale: *s"
+        ),
         "YAML anchors and aliases are not allowed",
     ),
     "too_large": (BASE_TEXT[INT8] + "#" * MAX_FILE_BYTES + "\n", f"file is larger than {MAX_FILE_BYTES} bytes"),
-    "too_deep": (_edit(INT8, "bits: 8}", "bits: " + "[" * 40 + "]" * 40 + "}"), f"nesting deeper than {MAX_DEPTH} levels"),
+    "too_deep": (
+        _edit(INT8, "bits: 8}", "bits: " + "[" * 40 + "]" * 40 + "}"),
+        f"nesting deeper than {MAX_DEPTH} levels",
+    ),
     "non_utf8": (BASE_TEXT[INT8].encode().replace(b"Per-token", b"Per\xc3\x28token"), "not UTF-8 text"),
     "unicode_key": (_edit(INT8, "name:", "n\u0430me:"), "n\u0430me: unknown field; did you mean 'name'?"),  # Cyrillic a
     "zero_width": (_edit(INT8, "version: 1", "version\u200b: 1"), "unknown field; did you mean 'version'?"),
@@ -366,7 +380,10 @@ BAD = {
         _edit(INT8, "bits: 8}", "bits: !!python/object/apply:os.system [echo pwned]}"),
         "could not determine a constructor",
     ),
-    "empty": ("", "expected a mapping with fields version, name, description, head_dims, key, value, window, sinks, got None"),
+    "empty": (
+        "",
+        "expected a mapping with fields version, name, description, head_dims, key, value, window, sinks, got None",
+    ),
 }
 
 
@@ -412,7 +429,8 @@ def test_bad_scheme_in_a_real_process(tmp_path):
         assert snapshot(out) == before
     # And a good build from a real process: exit 0, the committed bytes.
     proc = subprocess.run(
-        [sys.executable, "-m", "kvqc.cli", "build", str(SCHEME_DIR / "turbo_k4v2.yaml"), "--out", str(tmp_path / "new")],
+        [sys.executable, "-m", "kvqc.cli", "build", str(SCHEME_DIR / "turbo_k4v2.yaml"),
+         "--out", str(tmp_path / "new")],
         cwd=tmp_path, env={**env, "PYTHONHASHSEED": "12345"}, capture_output=True, timeout=120,
     )
     assert (proc.returncode, proc.stderr) == (0, b""), proc.stderr.decode()
@@ -447,7 +465,9 @@ def test_injection_in_description_never_reaches_the_source(tmp_path, payload):
     assert source == expected.replace("`schemes/turbo_qjl_k3v3.yaml`", f"`{path.parent.name}/inj.yaml`", 1)
 
 
-@pytest.mark.parametrize("field", ["key.codebook.law", "key.scale", "value.rotation", "key.residual", "value.packing", "head_dims"])
+@pytest.mark.parametrize(
+    "field", ["key.codebook.law", "key.scale", "value.rotation", "key.residual", "value.packing", "head_dims"]
+)
 def test_injection_in_other_string_fields_is_refused(tmp_path, field):
     data = copy.deepcopy(BASE["turbo_qjl_k3v3"])
     node = data
@@ -477,12 +497,16 @@ _SCALARS = (
     | st.sampled_from(["split", "interleaved", "gaussian", "sphere", "token", "channel"])
 )
 # Line breaks are left out of keys here; test_fixed_bug_* covers them (keys that are not identifiers are quoted).
-_KEYS = st.text(st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=12) | st.sampled_from(
-    ["kind", "bits", "law", "seed", "signs", "axis", "centroids", "scale", "codebook", "residual", "rotation", "packing", "name", "<<"]
+_KEYS = (
+    st.text(st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=12)
+    | st.sampled_from(["kind", "bits", "law", "seed", "signs", "axis", "centroids", "scale", "codebook", "residual",
+                       "rotation", "packing", "name", "<<"])
 )
 _VALUES = st.recursive(
     _SCALARS,
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(_KEYS | st.integers(0, 3) | st.none() | st.booleans(), c, max_size=4),
+    lambda c: (
+        st.lists(c, max_size=4) | st.dictionaries(_KEYS | st.integers(0, 3) | st.none() | st.booleans(), c, max_size=4)
+    ),
     max_leaves=10,
 )
 # Values a field could legally hold (or nearly): they make many mutants build, exercising the success path.
@@ -501,7 +525,9 @@ _LEGAL = {
     "residual": st.sampled_from(["none", "sign", "qjl", {"kind": "qjl", "seed": 3}]),
     "scale": st.sampled_from(["norm", "minmax", {"kind": "norm", "axis": "token"}]),
     "head_dims": st.lists(st.sampled_from(SUPPORTED_HEAD_DIMS), min_size=1, max_size=5, unique=True),
-    "description": st.text(max_size=80) | st.sampled_from(INJECTIONS) | st.sampled_from(['"""', "'''", "\\", "{{ x }}", "é" * 50]),
+    "description": (
+        st.text(max_size=80) | st.sampled_from(INJECTIONS) | st.sampled_from(['"""', "'''", "\\", "{{ x }}", "é" * 50])
+    ),
     "name": st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True) | st.sampled_from(INJECTIONS),
 }
 
@@ -526,7 +552,9 @@ def mutants(draw):
         paths = list(_paths(data))
         named = [p for p in paths if p and isinstance(p[-1], str)]  # mostly fields, sometimes list items or the root
         path = draw(st.sampled_from(named if named and draw(st.integers(0, 4)) else paths))
-        op = draw(st.sampled_from(["legal", "legal", "legal", "remove", "remove", "rename", "retype", "wrap", "deepen"]))
+        op = draw(
+            st.sampled_from(["legal", "legal", "legal", "remove", "remove", "rename", "retype", "wrap", "deepen"])
+        )
         if not path:
             if op in ("legal", "remove", "rename"):
                 continue
@@ -586,7 +614,8 @@ def test_mutated_schemes_build_or_fail_cleanly(case, flow, unicode):
 def test_any_legal_scheme_builds_imports_and_embeds_itself(data, flow):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "legal.yaml"
-        path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, allow_unicode=True), encoding="utf-8")
+        path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, allow_unicode=True),
+                        encoding="utf-8")
         assert check_build(path, Path(tmp) / "out")
 
 
@@ -609,7 +638,9 @@ def raw_mutants(draw):
     name = draw(st.sampled_from(SCHEMES))
     text = BASE_TEXT[name]
     lines = text.splitlines(keepends=True)
-    kind = draw(st.sampled_from(["duplicate", "anchor", "alias", "insert", "truncate", "large", "deep", "bytes", "unicode", "bom"]))
+    kind = draw(st.sampled_from(
+        ["duplicate", "anchor", "alias", "insert", "truncate", "large", "deep", "bytes", "unicode", "bom"]
+    ))
     expected = None
     if kind == "duplicate":
         i = draw(st.sampled_from(_key_lines(text)))
@@ -636,7 +667,9 @@ def raw_mutants(draw):
     elif kind == "bytes":
         raw = text.encode()
         at = draw(st.integers(0, len(raw)))
-        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xe9", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]))
+        bad = draw(
+            st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xe9", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"])
+        )
         return name, raw[:at] + bad + raw[at:], "not UTF-8 text"
     elif kind == "unicode":
         at = draw(st.integers(0, len(text)))
@@ -671,9 +704,9 @@ def test_damaged_files_build_or_fail_cleanly(case):
 # By hand: codes head_dim * bits / 8, plus 2 bytes per metadata field and scale group (q8_0's K: 128 + 4 * 2).
 BYTES_128 = {
     "fp8_e4m3": 260, "fp8_e5m2": 260, "int4_token": 136, "int8_token": 264, "metal_q4_0_q3_0": 122,
-    "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100, "turbo_k4mse_v2": 100,
-    "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36, "turbo_k4v2_w8": 100,
-    "turbo_k2v2_ctr_w64": 68,
+    "metal_q5_0_q3_0": 138, "metal_q8_0_q3_0": 186, "metal_uint2_q2_0": 82, "turbo_eden_k4v2": 100,
+    "turbo_k4mse_v2": 100, "turbo_k4v2": 102, "turbo_qjl_k3v3": 102, "kivi_k2v2": 96, "sign1_window": 36,
+    "turbo_k4v2_w8": 100, "turbo_k2v2_ctr_w64": 68,
     "turbo_outlier_2p5": 88,  # per side: 32 channels x 4 bits + 96 x 2 bits = 40 bytes, and two fp16 norms
 }
 WINDOWS = {"kivi_k2v2": "128", "sign1_window": "64", "turbo_k4v2_w8": "8", "turbo_k2v2_ctr_w64": "4+64"}
@@ -730,7 +763,8 @@ def test_explain_turbo_k4v2(capsys):
     assert err == ""
     assert out.startswith("turbo_k4v2: K: normalized Walsh-Hadamard rotation")
     assert "head_dims: [64, 128, 256]; shown for head_dim 128" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and "_" in line.split()[0]}
+    rows = {line.split()[0]: line.split()
+            for line in out.splitlines() if line.startswith("  ") and "_" in line.split()[0]}
     assert rows["key_codes"][1:7] == ["uint8", "[num_blocks,", "H,", "B,", "64]", "4"]
     assert rows["key_meta"][1:6] == ["fp16", "[num_blocks,", "H,", "B,", "2]"] and out.count("norm, residual_rms") == 1
     assert rows["value_codes"][5:7] == ["32]", "2"]
@@ -788,7 +822,8 @@ def test_explain_bytes_per_token(capsys, name, head_dim):
     # From first principles: codes at code_bits per coordinate, plus 2 bytes per metadata value, K and V.
     # A channel split stores both parts: its outlier channels and the rest, each with its own metadata.
     parts = [(p, w) for t in (scheme.key, scheme.value)
-             for p, w in ([(t.outlier_part, t.part_dims(shown)[0]), (t, t.part_dims(shown)[1])] if t.outliers else [(t, shown)])]
+             for p, w in ([(t.outlier_part, t.part_dims(shown)[0]), (t, t.part_dims(shown)[1])] if t.outliers
+                          else [(t, shown)])]
     expected = sum(p.code_bits * w // 8 + 2 * len(p.metadata) * p.groups(w) for p, w in parts)
     assert f"bytes per token and KV head: {expected} (fp16 K+V: {4 * shown})" in out
     assert f"shown for head_dim {shown}" in out
@@ -944,7 +979,9 @@ def test_file_names_are_shown_on_one_line(tmp_path):
     path.write_text(BASE_TEXT["int8_token"].replace("bits: 8}", "bits: 9}", 1))
     status, out, err = run("build", str(path), "--out", str(tmp_path / "out"))
     shown = str(path).replace("\n", "\\n").replace("\x1b", "\\x1b")
-    assert assert_clean_failure(status, out, err, shown) == f"kvqc: {shown}: key.codebook.bits: expected an integer 1..8, got 9"
+    assert assert_clean_failure(status, out, err, shown) == (
+        f"kvqc: {shown}: key.codebook.bits: expected an integer 1..8, got 9"
+    )
     good = tmp_path / "good\rname.yaml"
     good.write_text(BASE_TEXT["int8_token"])
     status, out, err = run("build", str(good), "--out", str(tmp_path / "out"))
@@ -955,7 +992,9 @@ def test_explain_writes_out_control_characters(tmp_path, capsys):
     """A scheme from the internet must not retitle, clear or rewrite the reader's terminal through its description."""
     path = tmp_path / "int8_token.yaml"
     description = "a \x1b]0;title\x07 b \x1b[2J c \x9b31m d \u202egnp.exe e \x00 f"
-    path.write_text(BASE_TEXT["int8_token"].replace("description: Per-token", f"description: {json.dumps(description)} #", 1))
+    path.write_text(
+        BASE_TEXT["int8_token"].replace("description: Per-token", f"description: {json.dumps(description)} #", 1)
+    )
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
     assert all(c.isprintable() for line in out.splitlines() for c in line), out
@@ -991,7 +1030,9 @@ def test_a_copied_scheme_does_not_replace_the_shipped_module(tmp_path):
     assert snapshot(out) == before
     assert run("build", "--check", str(copy_path), "--out", str(out))[0] == 1  # --check writes nothing anyway
     status, stdout, err = run("build", str(copy_path), "--out", str(out), "--force")
-    assert (status, err) == (0, "") and codegen.recorded_origin((out / "int8_token.py").read_text()) == f"{tmp_path.name}/my_copy.yaml"
+    assert (status, err) == (0, "") and (
+        codegen.recorded_origin((out / "int8_token.py").read_text()) == f"{tmp_path.name}/my_copy.yaml"
+    )
     # The shipped file itself, edited in place, rebuilds its own module freely.
     edited = tmp_path / "schemes" / "int8_token.yaml"
     edited.parent.mkdir()

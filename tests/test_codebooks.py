@@ -177,7 +177,8 @@ def test_cache_returns_same_object():
 
 @pytest.mark.parametrize(
     "args",
-    [(0,), (9,), (2.0,), (True,), (2, "laplace"), (2, "sphere"), (2, "sphere", 2), (2, "sphere", 64.0), (2, "gaussian", 0)],
+    [(0,), (9,), (2.0,), (True,), (2, "laplace"), (2, "sphere"), (2, "sphere", 2), (2, "sphere", 64.0),
+     (2, "gaussian", 0)],
 )
 def test_bad_arguments(args):
     with pytest.raises(ValueError):

@@ -178,7 +178,8 @@ def _decode(m, c, **kw):
 
 def _attend(m, c, **kw):
     a = _ok() | dict(query=randn(3, 2 * H1, D, seed=4).to(DEVICE), query_start_loc=i32([0, 2, 3])) | kw
-    m.attend(a["query"], a.pop("cache", c), a["block_tables"], a["seq_lens"], a["query_start_loc"], scale=a.get("scale"))
+    m.attend(a["query"], a.pop("cache", c), a["block_tables"], a["seq_lens"], a["query_start_loc"],
+             scale=a.get("scale"))
 
 
 def _transposed(*shape):  # the right shape, but the last dimension has stride != 1
@@ -1038,13 +1039,16 @@ def test_cache_tensors_without_their_own_memory_are_refused(name):
     # One pool under both code tensors, each from byte 0 (an engine carving regions with a wrong offset).
     pool = torch.zeros(max(c.key_codes.numel(), c.value_codes.numel()), dtype=torch.uint8, device=DEVICE)
     shared = dataclasses.replace(
-        c, key_codes=pool[: c.key_codes.numel()].view(c.key_codes.shape), value_codes=pool[: c.value_codes.numel()].view(c.value_codes.shape)
+        c, key_codes=pool[: c.key_codes.numel()].view(c.key_codes.shape),
+        value_codes=pool[: c.value_codes.numel()].view(c.value_codes.shape),
     )
     cases = [
         ("cache.value_codes: shares memory with cache.key_codes", shared),
-        ("cache.value_meta: expected a contiguous", dataclasses.replace(c, value_meta=c.value_meta[:1].expand(c.value_meta.shape))),
+        ("cache.value_meta: expected a contiguous",
+         dataclasses.replace(c, value_meta=c.value_meta[:1].expand(c.value_meta.shape))),
         ("cache.value_codes: expected a contiguous", dataclasses.replace(c, value_codes=c.value_codes.to_sparse())),
-        ("cache: expected tensors on a GPU", m.KVCache(*(t.to("meta") for t in (c.key_codes, c.key_meta, c.value_codes, c.value_meta)), D, "bhsd")),
+        ("cache: expected tensors on a GPU",
+         m.KVCache(*(t.to("meta") for t in (c.key_codes, c.key_meta, c.value_codes, c.value_meta)), D, "bhsd")),
     ]
     for message, cache in cases:
         with pytest.raises(ValueError, match=message):
@@ -1093,7 +1097,8 @@ def test_both_layouts_hold_the_same_bytes_and_read_the_same(name):
         m.fill(cache, *dev(key, value, slot_mapping))
         caches[layout] = cache
     assert_same_bytes(raw(caches["bhsd"]), raw(caches["bshd"]), "bhsd vs bshd")
-    assert not torch.equal(caches["bhsd"].key_codes.cpu(), caches["bshd"].key_codes.cpu().view_as(caches["bhsd"].key_codes))
+    assert not torch.equal(caches["bhsd"].key_codes.cpu(),
+                           caches["bshd"].key_codes.cpu().view_as(caches["bhsd"].key_codes))
     paging_args = dev(tables, i32(lens))
     k_hnd, v_hnd = m.flatten(caches["bhsd"], *paging_args)
     k_nhd, v_nhd = m.flatten(caches["bshd"], *paging_args)

@@ -46,7 +46,8 @@ def test_out_buffers_match_packed_flatten(name):
     start_loc = torch.tensor([3, 20, 24], dtype=torch.int64, device=DEVICE)  # sequence 1 is empty at row 20
     k_out = torch.full((HEADS, rows, d), 7.0, dtype=torch.float16, device=DEVICE)  # LMDeploy's 'hsd'
     v_out = torch.full_like(k_out, 7.0)
-    got = kv.flatten(cache, *paging, window_index=ring, out=(k_out.transpose(0, 1), v_out.transpose(0, 1)), start_loc=start_loc)
+    got = kv.flatten(cache, *paging, window_index=ring, out=(k_out.transpose(0, 1), v_out.transpose(0, 1)),
+                     start_loc=start_loc)
     assert got[0].data_ptr() == k_out.data_ptr()
     placed = torch.zeros(rows, dtype=torch.bool)
     at = 0

@@ -96,7 +96,8 @@ def check_fill(case: Case, before: dict):
     for base, x in (("key", case.key), ("value", case.value)):
         x = x.cpu()[keep]
         # A split side is checked part by part, on each head's channels in the order the cache chose.
-        parts = ref.split(base, x, getattr(case.cache, f"{base}_channels")) if ref.layout.parts(base)[-1].split else {base: x}
+        parts = (ref.split(base, x, getattr(case.cache, f"{base}_channels")) if ref.layout.parts(base)[-1].split
+                 else {base: x})
         for side, xp in parts.items():
             scheme = getattr(ref.layout, side).scheme
             flat_codes = slot_rows(case.cache, getattr(case.cache, f"{side}_codes").cpu())
@@ -106,8 +107,12 @@ def check_fill(case: Case, before: dict):
             untouched[written] = False
             old_codes = slot_rows(case.cache, before[f"{side}_codes"].cpu())
             old_meta = slot_rows(case.cache, before[f"{side}_meta"].cpu())
-            assert torch.equal(flat_codes[untouched], old_codes[untouched]), f"{side}: fill wrote a slot it was not given"
-            assert torch.equal(flat_meta[untouched], old_meta[untouched]), f"{side}: fill wrote metadata it was not given"
+            assert torch.equal(flat_codes[untouched], old_codes[untouched]), (
+                f"{side}: fill wrote a slot it was not given"
+            )
+            assert torch.equal(flat_meta[untouched], old_meta[untouched]), (
+                f"{side}: fill wrote metadata it was not given"
+            )
 
             want = ref.quantize(side, xp.reshape(-1, xp.shape[-1]), flat_meta.dtype, head_dim=d)
             got_codes = flat_codes[written].reshape(-1, flat_codes.shape[-1])
@@ -122,7 +127,8 @@ def check_fill(case: Case, before: dict):
                 qjl_only = ((got ^ want.code) & index_mask) == 0
                 allowed = allowed | (index_flipped.any(dim=1, keepdim=True) & qjl_only)
             assert not (differ & ~allowed).any(), (
-                f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference away from any decision boundary"
+                f"{side}: {int((differ & ~allowed).sum())} codes differ from the reference "
+                "away from any decision boundary"
             )
             clean = ~differ.any(dim=1)  # rows whose codes agree: their metadata must agree too
             got_meta = flat_meta[written].reshape(-1, flat_meta.shape[-1]).to(torch.float64)

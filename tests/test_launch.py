@@ -11,11 +11,13 @@ from conftest import DEVICE
 from kvqc.tools import bench
 from kvqc.modules import load
 
-INTS = [0, 1, 2, 15, 16, 17, 32, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, (1 << 32) + 16, -1, -16, (1 << 63), (1 << 63) + 1]
+INTS = [0, 1, 2, 15, 16, 17, 32, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, (1 << 32) + 16, -1, -16, (1 << 63),
+        (1 << 63) + 1]
 
 
 def _samples() -> list:
-    buffers = {dtype: torch.zeros(64, dtype=dtype) for dtype in (torch.float16, torch.float32, torch.uint8, torch.int32)}
+    buffers = {dtype: torch.zeros(64, dtype=dtype)
+               for dtype in (torch.float16, torch.float32, torch.uint8, torch.int32)}
     tensors = [t[start:] for t in buffers.values() for start in (0, 1, 4, 16)]
     return tensors + INTS + [0.5, 1.0, True, False, None]
 
@@ -71,7 +73,8 @@ def _everything(m, head_dim: int, block_size: int, lens: list, dtype: torch.dtyp
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     ring = torch.arange(batch, device=DEVICE)
     buffer = torch.randn(batch * q_heads * head_dim + 1, dtype=dtype, device=DEVICE)
-    out = [m.decode(q.view(batch, q_heads, head_dim), cache, block_tables, seq_lens, window_index=ring) for q in (buffer[:-1], buffer[1:])]
+    out = [m.decode(q.view(batch, q_heads, head_dim), cache, block_tables, seq_lens, window_index=ring)
+           for q in (buffer[:-1], buffer[1:])]
     out += list(m.flatten(cache, block_tables, seq_lens, window_index=ring))
     return out + [getattr(cache, field) for field in bench._fields(cache)]
 

@@ -200,7 +200,8 @@ def test_hadamard_rotate_is_lmdeploys_rotation(d, dtype):
     want = (x.double() @ hadamard(d)).to(dtype)  # hadamard(d) is H/sqrt(d)
     got = kl.hadamard_rotate(x.to(DEVICE))
     assert got.shape == x.shape and got.dtype == dtype
-    tol = {"rtol": 2e-6, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 2e-3}  # the dtype's rounding
+    tol = ({"rtol": 2e-6, "atol": 2e-6} if dtype == torch.float32
+           else {"rtol": 1e-3, "atol": 2e-3})  # the dtype's rounding
     torch.testing.assert_close(got.cpu(), want, **tol)
     torch.testing.assert_close(kl.hadamard_rotate(got).cpu().double(), x.double(), rtol=0,
                                atol=1e-5 if dtype == torch.float32 else 5e-3)
@@ -568,7 +569,8 @@ def fake_lmdeploy(monkeypatch) -> types.SimpleNamespace:
     module("lmdeploy.pytorch.backends.default.cache", DefaultCacheBackend=DefaultCacheBackend)
     module("lmdeploy.pytorch.engine.cache_engine.layout", ContiguousBlockCacheLayout=ContiguousBlockCacheLayout)
     return types.SimpleNamespace(cuda=cuda, defining=defining, user=user, other=other, kernels=kernels,
-                                 unrelated=unrelated, backend=DefaultCacheBackend, contiguous=ContiguousBlockCacheLayout)
+                                 unrelated=unrelated, backend=DefaultCacheBackend,
+                                 contiguous=ContiguousBlockCacheLayout)
 
 
 def test_install_swaps_and_restores(monkeypatch):

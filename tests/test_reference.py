@@ -429,7 +429,8 @@ def test_residual_stages_on_uniform_grids_at_equal_bits():
             for k in range(draws):
                 rows_k = slice(k * n // draws, (k + 1) * n // draws)
                 x_hat[rows_k] = round_trip(Reference(scheme(make(k))), "key", x[rows_k], torch.float32)
-            r = {"dmse": d * ((x_hat - x) * y).sum(1).pow(2).mean().item(), "bias_self": mean_and_se(((x_hat - x) * x).sum(1))}
+            r = {"dmse": d * ((x_hat - x) * y).sum(1).pow(2).mean().item(),
+                 "bias_self": mean_and_se(((x_hat - x) * x).sum(1))}
             results[b, name] = r
             rows.append(f"{b}  {name:6s} {r['dmse']:.4f}          {r['bias_self'][0]:+.5f} +- {r['bias_self'][1]:.5f}")
     print("\nb  scheme d*MSE(y indep)  bias(y = x)")

@@ -21,7 +21,15 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvqc.compiler import spec
-from kvqc.compiler.spec import FORMAT_VERSION, MAX_DEPTH, MAX_FILE_BYTES, SUPPORTED_HEAD_DIMS, SchemeError, load_scheme, scheme_from_dict
+from kvqc.compiler.spec import (
+    FORMAT_VERSION,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    SUPPORTED_HEAD_DIMS,
+    SchemeError,
+    load_scheme,
+    scheme_from_dict,
+)
 
 SCHEME_DIR = ROOT / "kvqc" / "schemes"
 DEFAULT_PACKING = spec.TensorScheme.__dataclass_fields__["packing"].default  # works for any 3, 5, 6 or 7-bit code
@@ -247,94 +255,140 @@ FIELD_ERRORS = [
     ("int8_token", _set(("key", "rotaton"), "hadamard"), "key.rotaton", "unknown field; did you mean 'rotation'?"),
     ("int8_token", _set(("colour",), "blue"), "colour", "unknown field; expected one of version, name"),
     ("int8_token", _set(("key", "codebook", "kind"), "unifrom"), "key.codebook.kind", "(did you mean 'uniform'?)"),
-    ("int8_token", _set(("key", "codebook", "kind"), 3), "key.codebook.kind", "expected one of lloyd_max, uniform, fp8, got 3"),
+    ("int8_token", _set(("key", "codebook", "kind"), 3), "key.codebook.kind",
+     "expected one of lloyd_max, uniform, fp8, got 3"),
     ("int8_token", _set(("key", "rotation"), "hadamrd"), "key.rotation.kind", "did you mean 'hadamard'?"),
-    ("int8_token", _set(("key", "rotation"), {"kind": "none", "seed": 3}), "key.rotation.seed", "only meaningful with kind: hadamard"),
-    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "seed": -1}), "key.rotation.seed", "expected an integer 0..4294967295"),
-    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "seed": 2**32}), "key.rotation.seed", "got 4294967296"),
-    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "signs": "maybe"}), "key.rotation.signs", "expected true or false"),
+    ("int8_token", _set(("key", "rotation"), {"kind": "none", "seed": 3}), "key.rotation.seed",
+     "only meaningful with kind: hadamard"),
+    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "seed": -1}), "key.rotation.seed",
+     "expected an integer 0..4294967295"),
+    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "seed": 2**32}), "key.rotation.seed",
+     "got 4294967296"),
+    ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "signs": "maybe"}), "key.rotation.signs",
+     "expected true or false"),
     ("int8_token", _set(("key", "rotation"), {"kind": "hadamard", "signs": 1}), "key.rotation.signs", "got 1"),
     ("int8_token", _set(("key", "rotation"), None), "key.rotation", "expected a mapping"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel"}), "key.scale.group_size", "missing required field: per-channel"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel", "group_size": 32}), "key.scale.axis", "add window: 32 or more"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel"}), "key.scale.group_size",
+     "missing required field: per-channel"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "channel", "group_size": 32}), "key.scale.axis",
+     "add window: 32 or more"),
     ("int8_token", _set(("window",), 0), "window", "expected an integer 1..4096, got 0"),
     ("int8_token", _set(("window",), 4097), "window", "expected an integer 1..4096"),
     ("int8_token", _set(("window",), "64"), "window", "got '64'"),
     ("int8_token", _set(("window",), 1), "window", None),
-    ("kivi_k2v2", _set(("window",), 16), "window", "wait for 32 tokens (group_size) before quantizing them: add window: 32 or more at the top level, got 16"),
+    ("kivi_k2v2", _set(("window",), 16), "window",
+     "wait for 32 tokens (group_size) before quantizing them: add window: 32 or more at the top level, got 16"),
     ("kivi_k2v2", _set(("window",), 32), "window", None),
     ("int8_token", _set(("sinks",), 4), "sinks", "add window: N at the top level"),
     ("turbo_k4v2_w8", _set(("sinks",), 0), "sinks", "expected an integer 1..256, got 0"),
     ("turbo_k4v2_w8", _set(("sinks",), 257), "sinks", "expected an integer 1..256"),
     ("turbo_k4v2_w8", _set(("sinks",), 4), "sinks", None),
-    ("kivi_k2v2", _set(("sinks",), 4), "sinks", "per-channel scales with attention sinks are not supported; remove sinks"),
+    ("kivi_k2v2", _set(("sinks",), 4), "sinks",
+     "per-channel scales with attention sinks are not supported; remove sinks"),
     ("turbo_k4v2_w8", _set(("key", "center"), "calibrated"), "key.center", None),
     ("turbo_k4v2", _set(("key", "center"), "calibrated"), "key.center", None),  # no window needed
     ("turbo_k4v2_w8", _set(("key", "center"), "mean"), "key.center", "expected one of none, calibrated, got 'mean'"),
     ("turbo_k4v2_w8", _set(("value", "center"), "calibrated"), "value.center", "only keys are centered"),
-    ("kivi_k2v2", _set(("key", "center"), "calibrated"), "key.center", "per-channel scales already remove each channel's offset"),
+    ("kivi_k2v2", _set(("key", "center"), "calibrated"), "key.center",
+     "per-channel scales already remove each channel's offset"),
     ("turbo_outlier_2p5", _set(("key", "center"), "calibrated"), "key.center", "cannot have a channel split"),
-    ("int4_token", _set(("key",), {"scale": "minmax", "codebook": {"kind": "uniform", "bits": 4}, "packing": "interleaved",
-                                   "center": "calibrated"}), "key.center", "needs split packing; use packing: split"),
-    ("turbo_k4v2_d80_96", _set(("key", "center"), "calibrated"), "head_dims", "a centered key needs power-of-two head_dims; remove [80, 96]"),
-    ("kivi_k2v2", _set(("key", "scale"), {"kind": "norm", "axis": "channel"}), "key.scale.axis", "a norm scale is per token"),
+    ("int4_token", _set(("key",), {"scale": "minmax", "codebook": {"kind": "uniform", "bits": 4},
+                                   "packing": "interleaved", "center": "calibrated"}), "key.center",
+     "needs split packing; use packing: split"),
+    ("turbo_k4v2_d80_96", _set(("key", "center"), "calibrated"), "head_dims",
+     "a centered key needs power-of-two head_dims; remove [80, 96]"),
+    ("kivi_k2v2", _set(("key", "scale"), {"kind": "norm", "axis": "channel"}), "key.scale.axis",
+     "a norm scale is per token"),
     ("kivi_k2v2", _set(("key", "scale", "group_size"), 48), "key.scale.group_size", "expected a power of two"),
     ("kivi_k2v2", _set(("key", "scale", "kind"), "absmax"), "key.scale", None),
     ("kivi_k2v2", _set(("key", "rotation"), "hadamard"), "key.rotation", "use rotation: none"),
     ("kivi_k2v2", _set(("key", "packing"), "interleaved"), "key.packing", "per-channel scales need split packing"),
-    ("kivi_k2v2", _set(("head_dims",), [96]), "head_dims", "per-channel scales need power-of-two head_dims; remove [96]"),
+    ("kivi_k2v2", _set(("head_dims",), [96]), "head_dims",
+     "per-channel scales need power-of-two head_dims; remove [96]"),
     ("kivi_k2v2", _set(("key", "scale", "group_size"), 64), "key.scale.group_size", None),
     # a group twice head_dim would leave no channel to a slot (meta width 0): refused
-    ("kivi_k2v2", _set(("key", "scale", "group_size"), 128), "key.scale.group_size", "needs group_size to divide head_dim 64; use a group_size of at most 64 or remove [64]"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "head"}), "key.scale.axis", "expected one of token, channel"),
-    ("int8_token", _set(("key", "scale"), "norm"), "key.scale", "uniform is an integer grid and needs scale: minmax or absmax"),
-    ("int8_token", _set(("key", "scale"), {"kind": "norm", "group_size": 32}), "key.scale.group_size", "covers the whole head"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 24}), "key.scale.group_size", "expected a power of two"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 1}), "key.scale.group_size", "expected an integer 2..256"),
+    ("kivi_k2v2", _set(("key", "scale", "group_size"), 128), "key.scale.group_size",
+     "needs group_size to divide head_dim 64; use a group_size of at most 64 or remove [64]"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "axis": "head"}), "key.scale.axis",
+     "expected one of token, channel"),
+    ("int8_token", _set(("key", "scale"), "norm"), "key.scale",
+     "uniform is an integer grid and needs scale: minmax or absmax"),
+    ("int8_token", _set(("key", "scale"), {"kind": "norm", "group_size": 32}), "key.scale.group_size",
+     "covers the whole head"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 24}), "key.scale.group_size",
+     "expected a power of two"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 1}), "key.scale.group_size",
+     "expected an integer 2..256"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 512}), "key.scale.group_size", "got 512"),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "group_size 128 is larger than head_dim 64; use a smaller group_size or remove [64]"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size",
+     "group_size 128 is larger than head_dim 64; use a smaller group_size or remove [64]"),
     ("int8_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", None),
-    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "unbiased": True}), "key.scale.unbiased", "only meaningful with kind: norm"),
+    ("int8_token", _set(("key", "scale"), {"kind": "minmax", "unbiased": True}), "key.scale.unbiased",
+     "only meaningful with kind: norm"),
     ("int8_token", _set(("key", "scale"), {"kind": "absmax"}), "key.scale", None),  # symmetric int8 (q8_0)
-    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}), "key.scale.group_size", None),  # spans 2 chunks at 64
-    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size", "larger than head_dim 64"),
+    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 64}),
+     "key.scale.group_size", None),  # spans 2 chunks at 64
+    ("int4_token", _set(("key", "scale"), {"kind": "minmax", "group_size": 128}), "key.scale.group_size",
+     "larger than head_dim 64"),
     ("kivi_k2v2", _set(("value", "scale", "group_size"), 64), "value.scale.group_size", None),  # spans 4 chunks at 64
-    ("kivi_k2v2", _set(("value", "scale", "group_size"), 128), "value.scale.group_size", "group_size 128 is larger than head_dim 64"),
-    ("metal_q5_0_q3_0", _set(("head_dims",), [64, 128]), "head_dims", "key's 5-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"),
+    ("kivi_k2v2", _set(("value", "scale", "group_size"), 128), "value.scale.group_size",
+     "group_size 128 is larger than head_dim 64"),
+    ("metal_q5_0_q3_0", _set(("head_dims",), [64, 128]), "head_dims",
+     "key's 5-bit codes need head_dim >= 128 (a 1-bit plane); remove [64]"),
     ("int4_token", _set(("key", "packing"), "interleaved"), "key.packing", None),
     ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 4}), "key.codebook", None),
-    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3"}), "key.scale", "fp8 needs scale: absmax"),
-    ("int8_token", _set(("key", "codebook"), {"kind": "fp8"}), "key.codebook.format", "missing required field; expected one of e4m3, e5m2"),
-    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3", "bits": 8.0}), "key.codebook.bits", "always 8 bits, got 8.0; remove bits"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3"}), "key.scale",
+     "fp8 needs scale: absmax"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8"}), "key.codebook.format",
+     "missing required field; expected one of e4m3, e5m2"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m3", "bits": 8.0}), "key.codebook.bits",
+     "always 8 bits, got 8.0; remove bits"),
     ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e4m2"}), "key.codebook.format", "did you mean"),
-    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "bits": 4}), "key.codebook.bits", "fp8 codes are always 8 bits, got 4; remove bits"),
-    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "law": "sphere"}), "key.codebook.law", "only meaningful with kind: lloyd_max"),
-    ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 8, "format": "e5m2"}), "key.codebook.format", "only meaningful with kind: fp8"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "bits": 4}), "key.codebook.bits",
+     "fp8 codes are always 8 bits, got 4; remove bits"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "fp8", "format": "e5m2", "law": "sphere"}), "key.codebook.law",
+     "only meaningful with kind: lloyd_max"),
+    ("int8_token", _set(("key", "codebook"), {"kind": "uniform", "bits": 8, "format": "e5m2"}), "key.codebook.format",
+     "only meaningful with kind: fp8"),
     ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale", None),
-    ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": "yes"}), "key.scale.unbiased", "expected true or false"),
-    ("turbo_qjl_k3v3", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale.unbiased", "already unbiased"),
-    ("int8_token", _set(("key", "codebook", "law"), "gaussian"), "key.codebook.law", "only meaningful with kind: lloyd_max"),
-    ("int8_token", _set(("key", "residual"), "sign"), "key.codebook.bits", "8 bits plus a 1-bit residual exceed 8 bits"),
+    ("turbo_k4mse_v2", _set(("key", "scale"), {"kind": "norm", "unbiased": "yes"}), "key.scale.unbiased",
+     "expected true or false"),
+    ("turbo_qjl_k3v3", _set(("key", "scale"), {"kind": "norm", "unbiased": True}), "key.scale.unbiased",
+     "already unbiased"),
+    ("int8_token", _set(("key", "codebook", "law"), "gaussian"), "key.codebook.law",
+     "only meaningful with kind: lloyd_max"),
+    ("int8_token", _set(("key", "residual"), "sign"), "key.codebook.bits",
+     "8 bits plus a 1-bit residual exceed 8 bits"),
     # residual stages on uniform grids with per-token scales (3 + 1 bits: one 4-bit plane)
-    ("int4_token", _set(("key",), {"scale": "minmax", "codebook": {"kind": "uniform", "bits": 3}, "residual": "sign"}), "key", None),
-    ("int4_token", _set(("key",), {"scale": "absmax", "codebook": {"kind": "uniform", "bits": 3}, "residual": {"kind": "qjl", "seed": 3}}), "key", None),
-    ("metal_q4_0_q3_0", _set(("key", "residual"), "sign"), "key.residual", "needs one scale per token (no scale.group_size)"),
+    ("int4_token", _set(("key",), {"scale": "minmax", "codebook": {"kind": "uniform", "bits": 3},
+                                   "residual": "sign"}), "key", None),
+    ("int4_token", _set(("key",), {"scale": "absmax", "codebook": {"kind": "uniform", "bits": 3},
+                                   "residual": {"kind": "qjl", "seed": 3}}), "key", None),
+    ("metal_q4_0_q3_0", _set(("key", "residual"), "sign"), "key.residual",
+     "needs one scale per token (no scale.group_size)"),
     ("kivi_k2v2", _set(("key", "residual"), "sign"), "key.residual", "needs one scale per token"),
-    ("int8_token", _set(("key", "residual"), {"kind": "sign", "seed": 1}), "key.residual.seed", "only meaningful with kind: qjl"),
+    ("int8_token", _set(("key", "residual"), {"kind": "sign", "seed": 1}), "key.residual.seed",
+     "only meaningful with kind: qjl"),
     ("int8_token", _set(("key", "packing"), "split"), "key.packing", None),  # valid: 8-bit codes may be split
     ("int8_token", _set(("key", "packing"), "tight"), "key.packing", "got 'tight'"),
     ("turbo_k4v2", _set(("key", "codebook", "bits"), 8), "key.codebook.centroids", "expected 256 strictly increasing"),
     ("turbo_k4mse_v2", _set(("key", "codebook", "bits"), 8), "key.packing", None),  # 8-bit split: valid
     ("turbo_qjl_k3v3", _set(("key", "codebook", "bits"), 8), "key.codebook.bits", "exceed 8 bits per coordinate"),
-    ("turbo_qjl_k3v3", _set(("key", "scale"), "minmax"), "key.scale", "lloyd_max indexes a unit vector and needs scale: norm"),
-    ("turbo_qjl_k3v3", _set(("key", "residual"), {"kind": "qjl", "seed": "7"}), "key.residual.seed", "expected an integer"),
-    ("turbo_qjl_k3v3", _set(("value", "codebook", "law"), "laplace"), "value.codebook.law", "expected one of gaussian, sphere"),
+    ("turbo_qjl_k3v3", _set(("key", "scale"), "minmax"), "key.scale",
+     "lloyd_max indexes a unit vector and needs scale: norm"),
+    ("turbo_qjl_k3v3", _set(("key", "residual"), {"kind": "qjl", "seed": "7"}), "key.residual.seed",
+     "expected an integer"),
+    ("turbo_qjl_k3v3", _set(("value", "codebook", "law"), "laplace"), "value.codebook.law",
+     "expected one of gaussian, sphere"),
     ("turbo_k4v2", _set(("key", "codebook", "centroids"), [0.0] * 8), "key.codebook.centroids", "strictly increasing"),
     ("turbo_k4v2", _set(("key", "codebook", "centroids"), list(range(7))), "key.codebook.centroids", "expected 8"),
-    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [float("nan")] + list(range(7))), "key.codebook.centroids", "finite"),
-    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [-math.inf] + list(range(7))), "key.codebook.centroids", "finite"),
+    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [float("nan")] + list(range(7))), "key.codebook.centroids",
+     "finite"),
+    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [-math.inf] + list(range(7))), "key.codebook.centroids",
+     "finite"),
     ("turbo_k4v2", _set(("key", "codebook", "centroids"), list(range(10, 18))), "key.codebook.centroids", "|c| <= 16"),
-    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [False, True, 2, 3, 4, 5, 6, 7]), "key.codebook.centroids", "numbers"),
+    ("turbo_k4v2", _set(("key", "codebook", "centroids"), [False, True, 2, 3, 4, 5, 6, 7]), "key.codebook.centroids",
+     "numbers"),
     ("turbo_k4v2", _set(("key", "codebook", "centroids"), "fast"), "key.codebook.centroids", "numbers"),
     ("turbo_k4v2", _set(("name",), "Turbo"), "name", "expected a lowercase identifier"),
     ("turbo_k4v2", _set(("name",), "1st"), "name", "got '1st'"),
@@ -346,7 +400,8 @@ FIELD_ERRORS = [
     ("turbo_k4v2", _set(("name",), 42), "name", "got 42"),
     ("turbo_k4v2", _set(("description",), 42), "description", "expected a string of at most 2000 characters"),
     ("turbo_k4v2", _set(("description",), "x" * 2001), "description", "at most 2000 characters"),
-    ("turbo_k4v2", _set(("head_dims",), [48]), "head_dims", "expected a list of distinct values from [16, 32, 64, 80, 96, 128, 256], got [48]"),
+    ("turbo_k4v2", _set(("head_dims",), [48]), "head_dims",
+     "expected a list of distinct values from [16, 32, 64, 80, 96, 128, 256], got [48]"),
     ("turbo_k4v2", _set(("head_dims",), []), "head_dims", "got []"),
     ("turbo_k4v2", _set(("head_dims",), [64, 64]), "head_dims", "distinct"),
     ("turbo_k4v2", _set(("head_dims",), 128), "head_dims", "got 128"),
@@ -356,7 +411,9 @@ FIELD_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("base, edit, field, expected", FIELD_ERRORS, ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(FIELD_ERRORS)])
+@pytest.mark.parametrize(
+    "base, edit, field, expected", FIELD_ERRORS, ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(FIELD_ERRORS)]
+)
 def test_field_errors(tmp_path, base, edit, field, expected):
     data = copy.deepcopy(BASE[base])
     edit(data)
@@ -428,7 +485,8 @@ FILE_ERRORS = [
     ("tab", GOOD.replace("  scale", "\tscale", 1), "invalid YAML"),
     ("unclosed_quote", GOOD.replace("description: Per", 'description: "Per', 1), "invalid YAML"),
     ("duplicate_top", GOOD + "name: other\n", "invalid YAML: line 14, column 1: duplicate key 'name'"),
-    ("duplicate_nested", GOOD.replace("{kind: uniform, bits: 8}", "{kind: uniform, bits: 8, bits: 4}", 1), "duplicate key 'bits'"),
+    ("duplicate_nested", GOOD.replace("{kind: uniform, bits: 8}", "{kind: uniform, bits: 8, bits: 4}", 1),
+     "duplicate key 'bits'"),
     ("duplicate_block", GOOD.replace("value:\n", "value:\n  scale: minmax\n", 1), "duplicate key 'scale'"),
     ("anchor", GOOD.replace("key:\n", "key: &k\n", 1), "YAML anchors and aliases are not allowed"),
     ("alias", GOOD + "extra: *k\n", "anchors and aliases"),  # an alias alone, its anchor undefined
@@ -438,12 +496,14 @@ FILE_ERRORS = [
     ("int_key", GOOD + "1: one\n", "mapping keys must be strings, got 1"),
     ("null_key", GOOD + "~: nothing\n", "mapping keys must be strings, got None"),
     ("bool_key", GOOD + "yes: please\n", "mapping keys must be strings, got True"),
-    ("python_tag", GOOD.replace("bits: 8}", "bits: !!python/object/apply:os.system ['echo hi']}", 1), "could not determine a constructor"),
+    ("python_tag", GOOD.replace("bits: 8}", "bits: !!python/object/apply:os.system ['echo hi']}", 1),
+     "could not determine a constructor"),
     ("local_tag", GOOD.replace("bits: 8}", "bits: !evil 8}", 1), "could not determine a constructor"),
     ("two_documents", GOOD + "---\n" + GOOD, "line 14, column 1: but found another document"),
     ("control_char", GOOD.replace("Per-token", "Per\x07token"), "unacceptable character #x0007"),
     ("nul", GOOD.replace("Per-token", "Per\x00token"), "unacceptable character #x0000"),
-    ("too_deep", GOOD + "extra: " + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "\n", f"nesting deeper than {MAX_DEPTH} levels"),
+    ("too_deep", GOOD + "extra: " + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "\n",
+     f"nesting deeper than {MAX_DEPTH} levels"),
     ("too_deep_block", GOOD + "".join("  " * i + f"l{i}:\n" for i in range(MAX_DEPTH + 2)), "nesting deeper"),
     ("too_large", GOOD + ("# " + "x" * 98 + "\n") * 700, f"file is larger than {MAX_FILE_BYTES} bytes"),
     ("top_level_list", "- 1\n- 2\n", "expected a mapping with fields version, name"),
@@ -504,7 +564,8 @@ def test_depth_limit_is_exact(tmp_path):
 
 
 def test_bom_and_crlf_are_fine(tmp_path):
-    assert load_scheme(_write(tmp_path, "\ufeff" + GOOD)).to_dict() == load_scheme(SCHEME_DIR / "int8_token.yaml").to_dict()
+    assert (load_scheme(_write(tmp_path, "\ufeff" + GOOD)).to_dict()
+            == load_scheme(SCHEME_DIR / "int8_token.yaml").to_dict())
     assert load_scheme(_write(tmp_path, GOOD.replace("\n", "\r\n"))).name == "int8_token"
 
 
@@ -565,7 +626,9 @@ def tensor_specs(draw):
         out["residual"] = {"kind": "qjl", "seed": draw(st.integers(0, 2**32 - 1))}
     elif residual != "none" or draw(st.booleans()):
         out["residual"] = residual
-    packings = ["interleaved", "split"] if code_bits in (1, 2, 4, 8) and not (extra.get("group_size") and code_bits < 8) else [DEFAULT_PACKING]
+    packings = (["interleaved", "split"]
+                if code_bits in (1, 2, 4, 8) and not (extra.get("group_size") and code_bits < 8)
+                else [DEFAULT_PACKING])
     packing = draw(st.sampled_from(packings + ["omit"]))
     if packing != "omit":
         out["packing"] = packing
@@ -586,7 +649,9 @@ def _allows(tensor: dict, d: int) -> bool:
 
 @st.composite
 def scheme_specs(draw):
-    name = st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True).filter(lambda n: n not in spec.SHADOWED_MODULES and not keyword.iskeyword(n))
+    name = st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True).filter(
+        lambda n: n not in spec.SHADOWED_MODULES and not keyword.iskeyword(n)
+    )
     data: dict = {"version": 1, "name": draw(name)}
     if draw(st.booleans()):
         data["description"] = draw(st.text(max_size=60))
@@ -639,7 +704,8 @@ def test_scale_groups_may_span_whole_chunks(bits, group_size, head_dims, spans):
 @pytest.mark.parametrize(
     "bits, group_size, head_dims, message",
     [
-        (4, 16, [80, 128], "group_size 16 must divide the 40-column chunks that key's 4-bit codes unpack at head_dim 80, "
+        (4, 16, [80, 128],
+         "group_size 16 must divide the 40-column chunks that key's 4-bit codes unpack at head_dim 80, "
          "or be a multiple of them that divides head_dim; use a group_size that divides 40 or remove [80]"),
         (4, 32, [96, 128], "must divide the 48-column chunks that key's 4-bit codes unpack at head_dim 96"),
         (8, 64, [32, 64, 128], "group_size 64 is larger than head_dim 32; use a smaller group_size or remove [32]"),
@@ -677,14 +743,17 @@ def test_valid_schemes_round_trip(data):
     for side in ("key", "value"):
         t = getattr(scheme, side)
         assert 1 <= t.code_bits <= 8
-        assert t.metadata in (("scale", "zero"), ("scale",), ("norm",), ("norm", "residual_rms"), ("norm", "residual_norm"))
+        assert t.metadata in (("scale", "zero"), ("scale",), ("norm",), ("norm", "residual_rms"),
+                              ("norm", "residual_norm"))
 
 
 _keys = st.text(st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=10)
 _anything = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-    | st.sampled_from(["hadamard", "norm", "minmax", "absmax", "lloyd_max", "uniform", "fp8", "e4m3", "sign", "qjl", "split", "gaussian", 64, 128, 1]),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(_keys | st.sampled_from(["kind", "bits", "scale", "codebook"]), c, max_size=4),
+    | st.sampled_from(["hadamard", "norm", "minmax", "absmax", "lloyd_max", "uniform", "fp8", "e4m3", "sign", "qjl",
+                       "split", "gaussian", 64, 128, 1]),
+    lambda c: st.lists(c, max_size=4)
+    | st.dictionaries(_keys | st.sampled_from(["kind", "bits", "scale", "codebook"]), c, max_size=4),
     max_leaves=12,
 )
 
@@ -778,7 +847,9 @@ def test_huge_int_centroid_is_a_clean_error(tmp_path):
     assert exc.field == "key.codebook.centroids"
 
 
-@pytest.mark.parametrize("name", ["torch", "triton", "os", "kvqc", "generated", "numpy", "yaml", "sitecustomize", "distutils"])
+@pytest.mark.parametrize(
+    "name", ["torch", "triton", "os", "kvqc", "generated", "numpy", "yaml", "sitecustomize", "distutils"]
+)
 def test_names_that_shadow_modules_are_refused(name):
     """generated/<name>.py would be imported in place of the module by code run from generated/."""
     data = copy.deepcopy(BASE["int8_token"]) | {"name": name}
@@ -794,7 +865,8 @@ def test_names_that_shadow_modules_are_refused(name):
 @pytest.mark.parametrize("name", ["class", "import", "def", "lambda", "if"])
 def test_keyword_names_are_refused(name):
     data = copy.deepcopy(BASE["int8_token"]) | {"name": name}
-    with pytest.raises(SchemeError, match=rf"^x\.yaml: name: '{name}' is a Python keyword, so {name}\.py cannot be imported by name; choose another name, e\.g\. {name}_kv$"):
+    with pytest.raises(SchemeError, match=rf"^x\.yaml: name: '{name}' is a Python keyword, so {name}\.py cannot be "
+                                          rf"imported by name; choose another name, e\.g\. {name}_kv$"):
         scheme_from_dict(data, "x.yaml")
 
 

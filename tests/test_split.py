@@ -75,7 +75,8 @@ def test_calibrate_chooses_the_reference_channels(name):
         n = whole.outliers.count(d)
         for h in range(3):
             assert sorted(got[h].tolist()) == list(range(d))  # a permutation
-            assert got[h, :n].tolist() == sorted(got[h, :n].tolist()) and got[h, n:].tolist() == sorted(got[h, n:].tolist())
+            assert (got[h, :n].tolist() == sorted(got[h, :n].tolist())
+                    and got[h, n:].tolist() == sorted(got[h, n:].tolist()))
             if whole.outliers.select != "fixed":
                 # Every planted wide channel (about d / 7 of them, fewer than n) is among the chosen.
                 wide = {c for c in range(d) if c % 7 == (3 + h) % 7}
@@ -132,7 +133,8 @@ def test_attend_and_decode_agree_with_the_reference(name):
     want = torch.einsum("hqn,hnd->qhd", torch.softmax(s.masked_fill(~visible, -math.inf), -1), vv)
     assert rel_err(out, want) < OUT_RTOL[torch.float32]
     last = q[-1:]
-    assert rel_err(m.decode(last, cache, block_tables, seq_lens), m.reference.decode(last, cache, block_tables, seq_lens)) < OUT_RTOL[torch.float32]
+    assert rel_err(m.decode(last, cache, block_tables, seq_lens),
+                   m.reference.decode(last, cache, block_tables, seq_lens)) < OUT_RTOL[torch.float32]
 
 
 def test_split_beats_the_plain_grid_on_outlier_channels():
@@ -150,7 +152,8 @@ def test_split_beats_the_plain_grid_on_outlier_channels():
         return float((hat - x).pow(2).sum() / x.pow(2).sum())
 
     fixed = scheme_from_dict({**base, "head_dims": [128], "key": {**base["key"], "outliers": {
-        "fraction": 0.25, "select": "fixed", "channels": list(range(32)), "codebook": {"kind": "lloyd_max", "bits": 4, "law": "sphere"}}}})
+        "fraction": 0.25, "select": "fixed", "channels": list(range(32)),
+        "codebook": {"kind": "lloyd_max", "bits": 4, "law": "sphere"}}}})
     e_split, e_plain, e_fixed = err(split), err(plain), err(bind(fixed))
     assert e_split < 0.8 * e_plain, (e_split, e_plain)
     assert e_split < e_fixed, (e_split, e_fixed)
@@ -259,4 +262,5 @@ def test_channel_orders_must_be_permutations(name):
     with pytest.raises(ValueError, match=r"^cache\.key_channels: row 0 is not a permutation"):
         m.decode(torch.zeros(1, 2, d, device=DEVICE), cache, block_tables, seq_lens)
     with pytest.raises(ValueError, match=r"^cache\.value_channels: expected an int64 tensor"):
-        m.fill(dataclasses.replace(cache, key_channels=cache.value_channels, value_channels=cache.value_channels.int()), k, k, slots)
+        m.fill(dataclasses.replace(cache, key_channels=cache.value_channels, value_channels=cache.value_channels.int()),
+               k, k, slots)

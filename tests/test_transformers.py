@@ -147,8 +147,9 @@ def test_unquantized_layers_match_stock_transformers(tiny):
         tiny.set_attn_implementation(kq.ATTENTION)
         ours = tiny(ids, **with_cache(tiny, kq.cache("none", tiny.config, backend="reference"))).logits
     torch.testing.assert_close(ours, base, rtol=1e-4, atol=1e-4)
-    assert torch.equal(generate(tiny, ids, 6), generate(tiny, ids, 6, kq.cache("none", tiny.config, backend="reference"),
-                                                         attention=kq.ATTENTION))
+    assert torch.equal(generate(tiny, ids, 6),
+                       generate(tiny, ids, 6, kq.cache("none", tiny.config, backend="reference"),
+                                attention=kq.ATTENTION))
 
 
 def forced_picks(model, ids, continuation, past, attention) -> list[int]:
@@ -416,7 +417,9 @@ def test_eval_several_texts_and_what_ran(tmp_path, capsys, monkeypatch):
     assert given["scheme_file"] == str(scheme_file)
     assert given["scheme_file_sha256"] == hashlib.sha256(scheme_file.read_bytes()).hexdigest()
     assert shipped["scheme_file"] == str(ROOT / "kvqc" / "schemes" / "int8_token.yaml")
-    assert shipped["scheme_file_sha256"] == hashlib.sha256((ROOT / "kvqc" / "schemes" / "int8_token.yaml").read_bytes()).hexdigest()
+    assert shipped["scheme_file_sha256"] == hashlib.sha256(
+        (ROOT / "kvqc" / "schemes" / "int8_token.yaml").read_bytes()
+    ).hexdigest()
     module = kq.modules.load("int8_token")
     assert shipped["module_sha256"] == hashlib.sha256(open(module.__file__, "rb").read()).hexdigest()
     assert given["scheme_hash"] == kq.modules.load(scheme_file).SCHEME_HASH
@@ -456,7 +459,8 @@ def test_window_scheme_in_a_left_padded_batch(tiny, backend):
     key = torch.cat([k for k, _ in seen[0]], dim=2)  # [2, heads, 37 + new - 1, dim], padding included
     stored = layer.sequences()
     torch.testing.assert_close(stored[0][0][-16:].cpu(), key[0, :, -16:].transpose(0, 1).cpu(), rtol=0, atol=0)
-    assert not torch.equal(stored[0][1][:16].cpu(), torch.cat([v for _, v in seen[0]], dim=2)[0, :, :16].transpose(0, 1).cpu())
+    assert not torch.equal(stored[0][1][:16].cpu(),
+                           torch.cat([v for _, v in seen[0]], dim=2)[0, :, :16].transpose(0, 1).cpu())
     ref_k, ref_v = layer.module.reference.flatten(layer.cache, layer.block_tables, layer.seq_lens_tensor(),
                                                   window_index=torch.arange(2, device=DEVICE))
     torch.testing.assert_close(torch.cat([k for k, _ in stored]).cpu().double(), ref_k, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,9 @@ def test_settings_with_the_wrong_shape_are_refused_in_one_line(capsys):
     forms = ("BN,WARPS,STAGES", "BN,WARPS,STAGES,MAXNREG")
     assert tune.parse_settings(["32,1,2", "32,1,2,168"], "--tiles", forms) == ((32, 1, 2), (32, 1, 2, 168))
     assert tune.run(parser.parse_args(["--tiles", "32,1"])) == 2
-    assert capsys.readouterr().err == "kvqc tune: --tiles: '32,1' is not BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG (positive integers)\n"
+    assert capsys.readouterr().err == (
+        "kvqc tune: --tiles: '32,1' is not BN,WARPS,STAGES or BN,WARPS,STAGES,MAXNREG (positive integers)\n"
+    )
     assert tune.run(parser.parse_args(["--splits", "16,x"])) == 2
     assert "--splits: '16,x' is not PER_SM,MOST" in capsys.readouterr().err
 
@@ -110,9 +112,11 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     assert table["schemes"]["some_scheme"] == {"128": [32, 1, 2, 16, 128], "64": [64, 1, 3, 16, 128]}
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
     got = codegen.decode_tuning("some_scheme")
-    assert got["configs"] == "{64: (64, 1, 3, 16, 128), 128: (32, 1, 2, 16, 128)}" and "Test GPU (batch 1)" in got["comment"]
+    assert (got["configs"] == "{64: (64, 1, 3, 16, 128), 128: (32, 1, 2, 16, 128)}"
+            and "Test GPU (batch 1)" in got["comment"])
     # A later sweep of another scheme on other shapes leaves this scheme's note alone.
-    tune.write_table(path, {("later", 128): (32, 1, 2, 16, 128)}, {**header, "device": "Other GPU", "shapes": "batch 8"})
+    tune.write_table(path, {("later", 128): (32, 1, 2, 16, 128)},
+                     {**header, "device": "Other GPU", "shapes": "batch 8"})
     assert "Test GPU (batch 1)" in codegen.decode_tuning("some_scheme")["comment"]
     assert "Other GPU (batch 8)" in codegen.decode_tuning("later")["comment"]
     assert codegen.decode_tuning("other")["configs"] == "{}"
@@ -132,7 +136,8 @@ def test_lazy_rescale_list_renders_into_the_module(tmp_path, monkeypatch):
     assert codegen.decode_tuning("some_scheme")["lazy"] is True
     assert codegen.decode_tuning("int4_token")["lazy"] is False
     # A sweep leaves the list alone.
-    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
+                     {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
     assert json.loads(path.read_text(encoding="utf-8"))["lazy_rescale"] == ["some_scheme"]
 
 
@@ -144,7 +149,8 @@ def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
     assert codegen.decode_tuning("some_scheme")["fill_registers"] == "{128: 144}"  # the head_dim it was measured at
     assert codegen.decode_tuning("int4_token")["fill_registers"] == "{}"
-    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
+                     {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
     assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": {"128": 144}}
 
 
@@ -160,7 +166,8 @@ def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_p
     assert codegen.decode_tuning("capped")["fill_programs"] == "{64: 2, 128: 3}"  # 65536 // (cap * 128)
     assert codegen.decode_tuning("named")["fill_programs"] == "{128: 6}"
     assert codegen.decode_tuning("int4_token")["fill_programs"] == "{}"
-    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)}, {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
+                     {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
     assert json.loads(path.read_text(encoding="utf-8"))["fill_programs"] == {"named": {"128": 6}}
 
 

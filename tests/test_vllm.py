@@ -66,7 +66,8 @@ def test_regions_tile_the_raw_tensor():
     assert torch.equal(raw.view(-1), torch.repeat_interleave(torch.arange(1, 5, dtype=torch.uint8),
                                                              torch.tensor([n * sizes[r] for r in kv._REGIONS])))
     assert cache.key_meta.dtype == torch.float16
-    with pytest.raises(ValueError, match="54 bytes per token and head, turbo_k4v2 at head_dim 64 / torch.float32 needs 60"):
+    with pytest.raises(ValueError,
+                       match="54 bytes per token and head, turbo_k4v2 at head_dim 64 / torch.float32 needs 60"):
         kv.carve(module, raw, 64, torch.float32)
 
 
@@ -226,8 +227,9 @@ def test_entry_point_is_declared():
 
 # ---------------------------------------------------------------------------------------------------- the vLLM glue
 
-# A stand-in of the vLLM 0.13 names kvqc.engines.vllm uses, with their behaviour where kvqc relies on it (the spec classes'
-# merge and page size, the builder's cudagraph support, the registry's overrides), copied from vLLM 0.13's source.
+# A stand-in of the vLLM 0.13 names kvqc.engines.vllm uses, with their behaviour where kvqc relies on it (the spec
+# classes' merge and page size, the builder's cudagraph support, the registry's overrides), copied from vLLM 0.13's
+# source.
 FAKE_VLLM = {
     "__init__.py": "__version__ = '0.13.0'\n",
     "attention/__init__.py": "",

@@ -23,7 +23,8 @@ SINKS = WINDOW_SCHEMES + [n for n in EXTRA if "\nsinks:" in open(n).read()]  # e
 
 def group_tokens(m) -> int:
     """The block size must be a multiple of every per-channel token group."""
-    g = [m.SCHEME[s]["scale"].get("group_size", 1) for s in ("key", "value") if m.SCHEME[s]["scale"]["axis"] == "channel"]
+    g = [m.SCHEME[s]["scale"].get("group_size", 1)
+         for s in ("key", "value") if m.SCHEME[s]["scale"]["axis"] == "channel"]
     return max(g, default=1)
 
 
@@ -50,7 +51,8 @@ class Engine:
         self.key = [torch.randn(n, num_kv_heads, head_dim, generator=g) * channel_scale + self.offset for n in lens]
         # A centered key's mean comes from other tokens than the filled ones (a calibration text's).
         centered = m.SCHEME["key"].get("center")
-        self.sample = (torch.randn(40, num_kv_heads, head_dim, generator=g) + self.offset).to(dtype).to(DEVICE) if centered else None
+        self.sample = ((torch.randn(40, num_kv_heads, head_dim, generator=g) + self.offset).to(dtype).to(DEVICE)
+                       if centered else None)
         self.value = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lens]
         self.done = [0] * len(lens)
 
@@ -87,7 +89,8 @@ class Engine:
         )
 
     def paging(self):
-        return self.block_tables.to(DEVICE), torch.tensor(self.done, dtype=torch.int32, device=DEVICE), self.rows.to(DEVICE)
+        return (self.block_tables.to(DEVICE), torch.tensor(self.done, dtype=torch.int32, device=DEVICE),
+                self.rows.to(DEVICE))
 
 
 def fill(target, cache, call: tuple) -> None:
@@ -259,7 +262,8 @@ def test_window_arguments_are_checked(name, monkeypatch):
     with pytest.raises(ValueError, match="^window_index: "):
         shuffled = torch.cat([rows[:3], rows[10:13], rows[3:10], rows[13:]])
         m.fill(cache, k, v, torch.cat([slots[:3], slots[10:13], slots[3:10], slots[13:]]),
-               positions=torch.cat([positions[:3], positions[10:13], positions[3:10], positions[13:]]), window_index=shuffled)
+               positions=torch.cat([positions[:3], positions[10:13], positions[3:10], positions[13:]]),
+               window_index=shuffled)
     with pytest.raises(ValueError, match="^positions: "):
         m.fill(cache, k, v, slots, positions=positions.to(torch.float32), window_index=rows)
     for target in (m, m.reference):  # the keywords a window needs: one line naming the call and the keyword
@@ -272,12 +276,14 @@ def test_window_arguments_are_checked(name, monkeypatch):
     for call, run in [("flatten", lambda: m.flatten(cache, block_tables, seq_lens)),
                       ("decode", lambda: m.decode(query, cache, block_tables, seq_lens, scale=0.5)),
                       ("plan_decode", lambda: m.plan_decode(cache, block_tables, seq_lens, 1)),
-                      ("attend", lambda: m.attend(query, cache, block_tables, seq_lens, seq_lens.new_tensor([0, 1, 2]))),
+                      ("attend",
+                       lambda: m.attend(query, cache, block_tables, seq_lens, seq_lens.new_tensor([0, 1, 2]))),
                       ("decode", lambda: m.reference.decode(query, cache, block_tables, seq_lens))]:
         with pytest.raises(ValueError, match=f"^{call}: {name} keeps .* pass the window_index keyword$"):
             run()
     with pytest.raises(ValueError, match="^window_index: "):
-        m.decode(torch.zeros(2, 1, d, dtype=torch.float16, device=DEVICE), cache, block_tables, seq_lens, window_index=rows[:1])
+        m.decode(torch.zeros(2, 1, d, dtype=torch.float16, device=DEVICE), cache, block_tables, seq_lens,
+                 window_index=rows[:1])
     with pytest.raises(ValueError, match="^window_index: "):
         m.flatten(cache, block_tables, seq_lens, window_index=rows + 5)
     groups = group_tokens(m)
@@ -298,4 +304,5 @@ def test_lazy_rescale_matches_eager(monkeypatch):
     k_rms = float(torch.cat(e.key).pow(2).mean().sqrt())
     query = (torch.randn(2, 8, m.HEAD_DIMS[0], generator=g) * 4 / k_rms).to(DEVICE)
     want = m.reference.decode(query, cache, block_tables, seq_lens, window_index=rows)
-    check_lazy_matches_eager(m, monkeypatch, lambda: m.decode(query, cache, block_tables, seq_lens, window_index=rows), want)
+    check_lazy_matches_eager(m, monkeypatch, lambda: m.decode(query, cache, block_tables, seq_lens, window_index=rows),
+                             want)

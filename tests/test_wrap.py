@@ -12,18 +12,18 @@ CASES = {
             "[None, :], mask=valid[:, None], other=0.0).to(tl.float32)\n",
     "sum": "row = block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + position % BLOCK_SIZE * TOKEN_STRIDE + kv_head "
            "* HEAD_STRIDE + other_head * OTHER_STRIDE\n",
-    "condition": "if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 or num_q_heads "
-                 "% cache.num_kv_heads:\n    pass\n",
-    "message": "def f(x):\n    raise ValueError(f\"cache: expected tensors on a GPU (or on the CPU under TRITON_INTERPRET=1), "
-               "got {x.device} and {x.dtype} which no kernel here takes\")\n",
+    "condition": "if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 "
+                 "or num_q_heads % cache.num_kv_heads:\n    pass\n",
+    "message": "def f(x):\n    raise ValueError(f\"cache: expected tensors on a GPU "
+               "(or on the CPU under TRITON_INTERPRET=1), got {x.device} and {x.dtype} which no kernel here takes\")\n",
     "comment": "x = 1  # " + "a trailing remark that makes this line far longer than the limit allows " * 2 + "\n",
     "table": "T = {128: (" + ", ".join(str(i % 3 - 1) for i in range(128)) + ")}\n",
     "product": "if x:\n    if y:\n        value_outlier_qjl_row = value_outlier_norm * value_outlier_residual_norm * "
                "1.2533141373155001 / VALUE_OUTLIER_DIM\n",
     "chain": "tensors['key_channels'] = _fixed_order(head_dim, KEY_OUTLIER_CHANNELS).expand(num_kv_heads, -1)"
              ".contiguous().to(device, non_blocking=True)\n",
-    "nested": "f(a, g(b, c, dddddddddddddddddddddddddddddddddddddddddddddd, eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee, "
-              "fffffffffffffffffffffffffffffffffffff), h)\n",
+    "nested": "f(a, g(b, c, dddddddddddddddddddddddddddddddddddddddddddddd, "
+              "eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee, fffffffffffffffffffffffffffffffffffff), h)\n",
 }
 
 

@@ -428,20 +428,19 @@ def run_one(spec: dict) -> dict:
 
     policy, scheme = CACHES[spec["cache"]]
     host_times = HostTimes() if spec.get("host_times") else None
-    if host_times and scheme:  # before install, which binds the adapter's methods
-        from kvqc.engines import lmdeploy as adapter
-        for name in HOST_TIMED:
-            host_times.wrap(adapter.Kernels, name)
-        host_times.wrap(adapter, "slot_mapping")  # once a step: the adapter maps for a step's first layer
+    if scheme:
+        from kvqc.engines import lmdeploy as kvqc_lmdeploy
+        if host_times:  # before install, which binds the adapter's methods
+            for name in HOST_TIMED:
+                host_times.wrap(kvqc_lmdeploy.Kernels, name)
+            host_times.wrap(kvqc_lmdeploy, "slot_mapping")  # once a step: the adapter maps for a step's first layer
+        # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
+        kvqc_lmdeploy.install(scheme, quant_policy=policy,
+                              allow_incompatible=policy not in kvqc_lmdeploy.BYTE_COMPATIBLE)
     elif host_times:  # LMDeploy's attention layers look its kernels up in the package when they are built
         import lmdeploy.pytorch.kernels.cuda as kernels
         for name in HOST_TIMED:
             host_times.wrap(kernels, name)
-    if scheme:
-        from kvqc.engines import lmdeploy as kvqc_lmdeploy
-        # kvqc's int caches share LMDeploy's shapes but not its bytes; only kvqc's kernels read them here
-        kvqc_lmdeploy.install(scheme, quant_policy=policy,
-                              allow_incompatible=policy not in kvqc_lmdeploy.BYTE_COMPATIBLE)
     length, batch, new = spec["prompt"], spec["batch"], spec["new_tokens"]
     block = 64  # LMDeploy's default block_size; session_len rounded up to whole blocks
     config = PytorchEngineConfig(

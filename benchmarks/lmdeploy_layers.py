@@ -11,9 +11,7 @@ captures a fill together with its step's slot mapping. Needs a CUDA GPU, not LMD
     python3 benchmarks/lmdeploy_layers.py
 """
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +19,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvqc from this checkout
 from kvqc.engines import lmdeploy
+from kvqc.tools.bench import host_us
 
 BATCH, CONTEXT, BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, LAYERS = 32, 16384, 64, 8, 32, 128, 8
 POLICIES = ((42, "turbo_k4v2"), (4, "int4_token"), (8, "int8_token"))
-
-
-def host_us(fn, calls: int = 32, rounds: int = 11) -> float:
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    torch.cuda.synchronize()
-    return statistics.median(times[1:]) * 1e6  # the first round warms up
 
 
 def measure(policy: int, name: str) -> dict:

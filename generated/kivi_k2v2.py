@@ -2040,10 +2040,12 @@ def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args,
 _TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launches` (sites are tuples)
 
 
-def _alignment(query: torch.Tensor, cache_addresses: list) -> tuple:
-    """What a plan's launches may differ in from layer to layer: whether the query and each cache tensor start on a
-    16-byte boundary. It keys the launch sites and, with the scale, the replays."""
-    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses))
+def _alignment(query: torch.Tensor, cache_addresses: list, out: "torch.Tensor | None") -> tuple:
+    """What a plan's launches may differ in from layer to layer: whether the query, each cache tensor and the output
+    the kernels write (`out` where it is contiguous, else a new tensor) start on a 16-byte boundary. It keys the
+    launch sites and, with the scale, the replays."""
+    written = out is None or not out.is_contiguous() or out.data_ptr() % 16 == 0
+    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses), written)
 
 
 class _Replay:
@@ -2737,7 +2739,7 @@ def decode(
     group = num_q_heads // cache.num_kv_heads
     pdl, scratch, launches = plan.pdl, plan.scratch, plan.launches
     query = query.contiguous()  # the kernels read rows of head_dim; a replay finds the query by its address
-    aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)])
+    aligned = _alignment(query, [t.data_ptr() for t in _cache_tensors(cache)], target)
     # The first layer of a plan the caller keeps leaves its launches for the next layers to replay (_replayed).
     replay = (aligned, scale)
     taking = keeps and replay not in plan.replays
@@ -2865,7 +2867,8 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     ):
         return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
-    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned), _check_scale(scale, geometry[3])))
+    written = out is None or out.data_ptr() % 16 == 0  # as _alignment
+    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned, written), _check_scale(scale, geometry[3])))
     return replay(query, tensors, addresses, out) if replay is not None else None
 
 

@@ -105,7 +105,7 @@ def test_the_gluon_kernel_merges_as_the_merge_kernel_does(name, monkeypatch):
     assert (got - want).norm() <= 1e-3 * want.norm()
 
 
-@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2", "turbo_k4v2_w8"])
+@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2", "turbo_k4v2_w8", "turbo_k4v2_d80_96"])
 def test_layers_through_one_plan_find_the_counters_clean(name, monkeypatch):
     """Every layer's launch takes tickets from the same counters: each must leave them at zero for the next, through
     the first layer's full call and the later layers' replays (and, on a GPU, a captured graph's replays)."""
@@ -133,6 +133,22 @@ def test_layers_through_one_plan_find_the_counters_clean(name, monkeypatch):
             assert torch.equal(outs[layer], want[layer]), layer
         if plan.merge == "split":
             assert not plan.scratch["counters"].any()
+
+
+@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2_d80_96"])
+def test_an_output_off_a_16_byte_boundary_takes_a_launch_of_its_own(name, monkeypatch):
+    """Kernels compiled for a 16-byte-aligned output may store it in 16-byte vectors: a layer whose `out` starts
+    elsewhere (a view into an engine's buffer) must not replay launches taken with an aligned one."""
+    m, caches, queries, paging, _ = setup(name, monkeypatch, layers=2)
+    plan = m.plan_decode(caches[0], *paging, queries[0].shape[1], queries[0].dtype)
+    want = [m.decode(q, c, *paging) for q, c in zip(queries, caches)]
+    flat = torch.empty(queries[0].numel() + 1, dtype=queries[0].dtype, device=DEVICE)
+    shifted = flat[1:].view(queries[0].shape)  # 2 bytes past the allocation's start
+    for q, c, w in zip(queries, caches, want):
+        assert torch.equal(m.decode(q, c, *paging, plan=plan, out=torch.empty_like(q)), w)
+        got = m.decode(q, c, *paging, plan=plan, out=shifted)
+        assert got.data_ptr() == shifted.data_ptr() and torch.equal(got, w)
+    assert len(plan.replays) == 2, "the shifted output replayed the aligned output's launches"
 
 
 def test_later_layers_take_the_replay(monkeypatch):

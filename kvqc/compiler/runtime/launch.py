@@ -139,7 +139,9 @@ def _launch_at(launches: "dict | None", site: tuple, kernel, grid: tuple, *args,
 _TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launches` (sites are tuples)
 
 
-def _alignment(query: torch.Tensor, cache_addresses: list) -> tuple:
-    """What a plan's launches may differ in from layer to layer: whether the query and each cache tensor start on a
-    16-byte boundary. It keys the launch sites and, with the scale, the replays."""
-    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses))
+def _alignment(query: torch.Tensor, cache_addresses: list, out: "torch.Tensor | None") -> tuple:
+    """What a plan's launches may differ in from layer to layer: whether the query, each cache tensor and the output
+    the kernels write (`out` where it is contiguous, else a new tensor) start on a 16-byte boundary. It keys the
+    launch sites and, with the scale, the replays."""
+    written = out is None or not out.is_contiguous() or out.data_ptr() % 16 == 0
+    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses), written)

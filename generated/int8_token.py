@@ -392,7 +392,8 @@ def _decode_kernel(
     VALUE_CHUNK: tl.constexpr = HEAD_DIM
     value_chunk = tl.arange(0, VALUE_CHUNK)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    # The query heads padded to a power of two (tl.dot pads fewer than 16 rows for the tensor cores itself): padded
+    # heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
         query_ptr + q_row[:, None] * HEAD_DIM + key_chunk[None, :], mask=q_valid[:, None], other=0.0
@@ -1366,7 +1367,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),

@@ -1521,7 +1521,8 @@ def _decode_kernel(
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    # The query heads padded to a power of two (tl.dot pads fewer than 16 rows for the tensor cores itself): padded
+    # heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     ROT: tl.constexpr = min(KEY_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers stay few
     rot = tl.arange(0, ROT)
@@ -3112,7 +3113,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -3147,7 +3148,7 @@ def decode(
         cache.max_seqs,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=head_dim,
         D_PAD=_pow2(head_dim),

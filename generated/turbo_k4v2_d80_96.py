@@ -949,7 +949,8 @@ def _decode_kernel(
     value_in = tl.arange(0, VALUE_CHUNK_PAD) < VALUE_CHUNK  # the chunk's real columns; the rest is padding
     value_chunk = tl.arange(0, VALUE_CHUNK_PAD)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    # The query heads padded to a power of two (tl.dot pads fewer than 16 rows for the tensor cores itself): padded
+    # heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
         query_ptr + q_row[:, None] * HEAD_PAD + key_chunk[None, :], mask=q_valid[:, None], other=0.0
@@ -2179,7 +2180,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEAD_DIM=head_dim,
         HEAD_PAD=width,
         BLOCK_SIZE=cache.block_size,

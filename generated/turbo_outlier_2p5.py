@@ -1646,7 +1646,8 @@ def _decode_kernel(
     value_in = tl.arange(0, VALUE_CHUNK_PAD) < VALUE_CHUNK  # the chunk's real columns; the rest is padding
     value_chunk = tl.arange(0, VALUE_CHUNK_PAD)
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    # The query heads padded to a power of two (tl.dot pads fewer than 16 rows for the tensor cores itself): padded
+    # heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     query = tl.load(
         query_outlier_ptr + q_row[:, None] * KEY_OUTLIER_DIM + key_outlier_chunk[None, :],
@@ -3303,7 +3304,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEAD_DIM=head_dim,
         **_part_constexprs(head_dim),
         BLOCK_SIZE=cache.block_size,

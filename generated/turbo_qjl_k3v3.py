@@ -1946,7 +1946,8 @@ def _decode_kernel(
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    # tl.dot needs at least 16 rows: padded query heads are zeros and are never stored.
+    # The query heads padded to a power of two (tl.dot pads fewer than 16 rows for the tensor cores itself): padded
+    # heads are zeros and are never stored.
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     key_pair = tl.arange(0, 2 * KEY_CHUNK)
     key_upper = tl.where(key_pair >= KEY_CHUNK, 255, 0).to(tl.uint8)[None, :]
@@ -3296,7 +3297,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, _pow2(group)),
+        GROUP_PAD=_pow2(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),

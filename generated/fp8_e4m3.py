@@ -69,6 +69,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# The fewest query rows decode's dots may hold: on NVIDIA, Triton pads fewer than 16 for the tensor cores itself from
+# 3.5 on (the interpreter takes any); earlier releases, and other backends, want 16.
+_DOT_ROWS = 1 if _INTERPRET or (_COMPILED_CUDA and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 5)) else 16
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
 # an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 32
@@ -1304,10 +1307,11 @@ def decode(
     partial_out = scratch["partial_out"]
     partial_max, partial_sum = scratch["partial_max"], scratch["partial_sum"]
     merging, merged = plan.merge != "reduce", partial_out  # a kernel that merges (MERGE) writes `merged`
-    if merging and target is not None and target.is_contiguous():
-        merged = target.view(batch * num_q_heads, head_dim)  # the caller's rows, written in place
-    elif merging:
-        merged = torch.empty(batch * num_q_heads, head_dim, dtype=query.dtype, device=device)
+    caller_rows = target.view(-1, head_dim) if target is not None and target.is_contiguous() else None
+    if merging:  # the caller's rows, written in place, or a new tensor in the query's dtype
+        merged = caller_rows
+        if merged is None:
+            merged = torch.empty(batch * num_q_heads, head_dim, dtype=query.dtype, device=device)
     heads_fastest = _heads_fastest(cache)
     if heads_fastest:
         grid = (batch * cache.num_kv_heads, num_splits)
@@ -1334,7 +1338,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=_pow2(group),
+        GROUP_PAD=max(_DOT_ROWS, _pow2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -1355,8 +1359,8 @@ def decode(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,
         split_chunk=plan.split_chunk, num_q_heads=num_q_heads, pdl=pdl, launches=launches,
     )
-    # nothing follows: the merge writes the output's dtype
-    out = merged if merging else reduce(partial_out, dtype=query.dtype)
+    # Nothing follows the merge: it writes the output's dtype, into the caller's rows where they are contiguous.
+    out = merged if merging else reduce(partial_out, dtype=query.dtype, out=caller_rows)
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)
     if taking:
         kept = (block_tables, seq_lens, *scratch.values())
@@ -1411,13 +1415,14 @@ def _replay_memo(cache: KVCache) -> "tuple | None":
 
 def _reduce(
     partial, partial_max, partial_sum, seq_lens, split_chunk, num_q_heads, dtype=torch.float32,
-    pdl=False, launches=None,
+    pdl=False, launches=None, out=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    # A plan's scratch is the same tensors every layer: the site is the partial's own.
+    if out is None:  # else the caller's rows or the plan's scratch, which a replay writes again
+        out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
+    # A plan's scratch is the same tensors every layer: the site is the partial's own, and the output's alignment.
     _launch_at(
-        launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
+        launches, ("reduce", partial.data_ptr(), dtype, out.data_ptr() % 16 == 0), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, num_splits, NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk,
         SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,

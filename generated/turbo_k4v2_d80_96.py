@@ -95,6 +95,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# The fewest query rows decode's dots may hold: on NVIDIA, Triton pads fewer than 16 for the tensor cores itself from
+# 3.5 on (the interpreter takes any); earlier releases, and other backends, want 16.
+_DOT_ROWS = 1 if _INTERPRET or (_COMPILED_CUDA and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 5)) else 16
 # Decode (and flatten, where it shares decode's lookups) unpack codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
@@ -2180,7 +2183,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=_pow2(group),
+        GROUP_PAD=max(_DOT_ROWS, _pow2(group)),
         HEAD_DIM=head_dim,
         HEAD_PAD=width,
         BLOCK_SIZE=cache.block_size,
@@ -2270,11 +2273,11 @@ def _reduce(
     pdl=False, launches=None, out=None,
 ) -> torch.Tensor:
     rows, num_splits, head_dim = partial.shape
-    if out is None:  # else the plan's scratch, which a replay writes again
+    if out is None:  # else the caller's rows or the plan's scratch, which a replay writes again
         out = torch.empty(rows, head_dim, dtype=dtype, device=partial.device)
-    # A plan's scratch is the same tensors every layer: the site is the partial's own.
+    # A plan's scratch is the same tensors every layer: the site is the partial's own, and the output's alignment.
     _launch_at(
-        launches, ("reduce", partial.data_ptr(), dtype), _decode_reduce_kernel, (rows,),
+        launches, ("reduce", partial.data_ptr(), dtype, out.data_ptr() % 16 == 0), _decode_reduce_kernel, (rows,),
         partial, partial_max, partial_sum, out, seq_lens, num_splits, NUM_Q_HEADS=num_q_heads, SPLIT_CHUNK=split_chunk,
         SPLITS_PAD=_pow2(num_splits), HEAD_DIM=head_dim, PDL=pdl,
         launch_pdl=pdl,

@@ -194,6 +194,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# The fewest query rows decode's dots may hold: on NVIDIA, Triton pads fewer than 16 for the tensor cores itself from
+# 3.5 on (the interpreter takes any); earlier releases, and other backends, want 16.
+_DOT_ROWS = 1 if _INTERPRET or (_COMPILED_CUDA and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 5)) else 16
 # Decode (and flatten, where it shares decode's lookups) unpack codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
@@ -3304,7 +3307,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=_pow2(group),
+        GROUP_PAD=max(_DOT_ROWS, _pow2(group)),
         HEAD_DIM=head_dim,
         **_part_constexprs(head_dim),
         BLOCK_SIZE=cache.block_size,

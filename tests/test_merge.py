@@ -135,20 +135,49 @@ def test_layers_through_one_plan_find_the_counters_clean(name, monkeypatch):
             assert not plan.scratch["counters"].any()
 
 
-@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2_d80_96"])
-def test_an_output_off_a_16_byte_boundary_takes_a_launch_of_its_own(name, monkeypatch):
+@pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2_d80_96", "kivi_k2v2"])
+@pytest.mark.parametrize("merge_rows", [1 << 20, 0])
+def test_an_output_off_a_16_byte_boundary_takes_a_launch_of_its_own(name, merge_rows, monkeypatch):
     """Kernels compiled for a 16-byte-aligned output may store it in 16-byte vectors: a layer whose `out` starts
-    elsewhere (a view into an engine's buffer) must not replay launches taken with an aligned one."""
-    m, caches, queries, paging, _ = setup(name, monkeypatch, layers=2)
-    plan = m.plan_decode(caches[0], *paging, queries[0].shape[1], queries[0].dtype)
-    want = [m.decode(q, c, *paging) for q, c in zip(queries, caches)]
+    elsewhere (a view into an engine's buffer) must not replay launches taken with an aligned one, and each replay's
+    launches write an output as aligned as its key says, whichever kernel merges (a split program or
+    _decode_reduce_kernel)."""
+    m, caches, queries, paging, ring = setup(name, monkeypatch, layers=2)
+    monkeypatch.setattr(m, "_MERGE_ROWS", merge_rows)
+    plan = m.plan_decode(caches[0], *paging, queries[0].shape[1], queries[0].dtype, window_index=ring)
+    assert (plan.merge == "reduce") == (merge_rows == 0)
+    want = [m.decode(q, c, *paging, window_index=ring) for q, c in zip(queries, caches)]
     flat = torch.empty(queries[0].numel() + 1, dtype=queries[0].dtype, device=DEVICE)
     shifted = flat[1:].view(queries[0].shape)  # 2 bytes past the allocation's start
     for q, c, w in zip(queries, caches, want):
-        assert torch.equal(m.decode(q, c, *paging, plan=plan, out=torch.empty_like(q)), w)
-        got = m.decode(q, c, *paging, plan=plan, out=shifted)
+        assert torch.equal(m.decode(q, c, *paging, window_index=ring, plan=plan, out=torch.empty_like(q)), w)
+        got = m.decode(q, c, *paging, window_index=ring, plan=plan, out=shifted)
         assert got.data_ptr() == shifted.data_ptr() and torch.equal(got, w)
     assert len(plan.replays) == 2, "the shifted output replayed the aligned output's launches"
+    for (aligned, _), replay in plan.replays.items():
+        written = [args[at] for _, _, args, _, slots, _, _ in replay.launches for at, index in slots if index == 1]
+        assert written and all((t.data_ptr() % 16 == 0) == aligned[-1] for t in written), aligned
+
+
+def test_query_rows_follow_what_the_dots_take(monkeypatch):
+    """Decode's kernels hold the query heads padded to a power of two, or to _DOT_ROWS where the installed Triton's
+    dots want more rows (16 before 3.5 on NVIDIA): the same output either way."""
+    m, (cache,), (query,), paging, _ = setup("int8_token", monkeypatch)
+    taken = []
+    real = m._launch_at
+
+    def spy(launches, site, kernel, grid, *args, **constexprs):
+        if "GROUP_PAD" in constexprs:
+            taken.append(constexprs["GROUP_PAD"])
+        return real(launches, site, kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(m, "_launch_at", spy)
+    outs = {}
+    for rows in (1, 16):
+        monkeypatch.setattr(m, "_DOT_ROWS", rows)
+        outs[rows] = m.decode(query, cache, *paging)
+    assert taken == [4, 16]  # 3 query heads a KV head
+    torch.testing.assert_close(outs[1].float(), outs[16].float(), rtol=1e-3, atol=1e-3)
 
 
 def test_later_layers_take_the_replay(monkeypatch):

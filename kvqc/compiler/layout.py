@@ -1792,7 +1792,7 @@ class Layout:
             _positional("num_splits", "num_splits"),
             _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"),
             _constexpr("GROUP", "group"),
-            _constexpr("GROUP_PAD", "_pow2(group)"),
+            _constexpr("GROUP_PAD", "max(_DOT_ROWS, _pow2(group))"),
             _constexpr("HEAD_DIM", "head_dim"),
         ]
         params += self._widths("head_dim", pad="width")
@@ -1924,7 +1924,7 @@ class Layout:
         params += [_positional("sm_scale_log2", "scale * 1.4426950408889634"),
                    _positional("num_splits", "num_splits"), _positional("max_seqs", "cache.max_seqs"),
                    _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group"),
-                   _constexpr("GROUP_PAD", "_pow2(group)"), _HEADS_FASTEST,
+                   _constexpr("GROUP_PAD", "max(_DOT_ROWS, _pow2(group))"), _HEADS_FASTEST,
                    _constexpr("HEAD_DIM", "head_dim"), _constexpr("D_PAD", "_pow2(head_dim)"),
                    _constexpr("WINDOW", "WINDOW"),
                    _constexpr("BLOCK_W", "max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW)))"),

@@ -32,7 +32,8 @@ CONTEXTS = (8192, 32768)
 BATCHES = (1, 8, 32)
 # (BLOCK_N, num_warps, num_stages[, register cap]): 8 warps and 64-token tiles on 4 warps lost on an H200, 32-token
 # tiles on 2 or 4 warps on an H100. A cap on registers per thread (ptxas maxnreg) trades spills for resident warps:
-# 128-200 lost on an H100 (docs/benchmarks.md, "What bounds decode").
+# caps of 128 and 168 lost on an H100, 200 and 216 came within a few percent (docs/benchmarks.md, "What bounds
+# decode").
 TILES = ((128, 4, 3), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 1, 3))
 # (split programs per SM, most splits per sequence)
 SPLITS = ((8, 64), (4, 64), (16, 64), (16, 128))

@@ -1,5 +1,5 @@
-"""What a module reads from its environment when imported: KVQC_DEBUG, TRITON_INTERPRET, and whether its kernels
-are compiled for CUDA (where inline PTX and griddepcontrol exist).
+"""What a module reads from its environment when imported: KVQC_DEBUG, TRITON_INTERPRET, whether its kernels are
+compiled for CUDA (where inline PTX and griddepcontrol exist) and what the installed Triton's dots take.
 
 Every generated module carries this text (see kvqc/compiler/runtime/__init__.py), before its launch settings.
 """
@@ -7,6 +7,7 @@ Every generated module carries this text (see kvqc/compiler/runtime/__init__.py)
 import os
 
 import torch
+import triton
 
 # ---- generated modules carry the rest of this file verbatim ----
 
@@ -18,3 +19,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
+# The fewest query rows decode's dots may hold: on NVIDIA, Triton pads fewer than 16 for the tensor cores itself from
+# 3.5 on (the interpreter takes any); earlier releases, and other backends, want 16.
+_DOT_ROWS = 1 if _INTERPRET or (_COMPILED_CUDA and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 5)) else 16

@@ -31,6 +31,7 @@ import math
 import numbers
 import operator
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -124,8 +125,11 @@ _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
 # The fewest query rows decode's dots may hold: on NVIDIA, Triton pads fewer than 16 for the tensor cores itself from
-# 3.5 on (the interpreter takes any); earlier releases, and other backends, want 16.
-_DOT_ROWS = 1 if _INTERPRET or (_COMPILED_CUDA and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 5)) else 16
+# 3.5 on (the interpreter takes any); earlier releases, other backends and a version it cannot read want 16.
+_TRITON_RELEASE = re.match(r"(\d+)\.(\d+)", triton.__version__)
+_DOT_ROWS = 1 if _INTERPRET or (
+    _COMPILED_CUDA and _TRITON_RELEASE is not None and tuple(map(int, _TRITON_RELEASE.groups())) >= (3, 5)
+) else 16
 # Decode (and flatten, where it shares decode's lookups) unpack codes with inline PTX where the format has a helper.
 _FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;

@@ -3,6 +3,7 @@ checks kernels on CPU has no such limit, and a GPU refuses a kernel that asks fo
 
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,3 +60,11 @@ def test_token_major_launches_compile_with_their_own_grid():
     launches = resources._step("record", "int4_token", "128 bshd", interpret=True)
     decode = next(launch for launch in launches if launch["kernel"] == "_decode_kernel")
     assert decode["args"]["HEADS_FASTEST"] == ["value", True] and decode["args"]["HEAD_STRIDE"] == ["value", 1]
+
+
+def test_compiled_launches_pad_query_rows_as_the_installed_triton_needs():
+    # The interpreter's dots take any rows; a Triton before 3.5 compiles NVIDIA dots of 16 rows at least.
+    assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=16), "GROUP_PAD", 4) == 16
+    assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=1), "GROUP_PAD", 4) == 4
+    assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=16), "GROUP_PAD", 32) == 32
+    assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=16), "FAST_UNPACK", False) is True

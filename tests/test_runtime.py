@@ -3,6 +3,7 @@ each file's marker line, with the imports above it and none of them repeated in 
 
 import ast
 import inspect
+from types import SimpleNamespace
 
 import pytest
 from conftest import ALL_SCHEMES, ROOT, SPLIT_SCHEMES, WINDOW_SCHEMES, generated
@@ -53,3 +54,18 @@ def test_reference_takes_the_modules_arguments(name):
         module = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(m, f)).parameters.values()]
         oracle = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(m.reference, f)).parameters.values()]
         assert oracle == module, f
+
+
+@pytest.mark.parametrize("version, interpret, hip, rows", [
+    ("3.6.0", "0", None, 1), ("3.5.0+git1234", "0", None, 1), ("3.4.0", "0", None, 16), ("3.10.1", "0", None, 1),
+    ("nightly", "0", None, 16), ("3.4.0", "1", None, 1), ("3.6.0", "0", "6.2", 16),
+])
+def test_query_rows_follow_the_installed_triton(version, interpret, hip, rows, monkeypatch):
+    """_DOT_ROWS, what decode pads its query heads to at least: any count where Triton's NVIDIA dots pad for the
+    tensor cores themselves (3.5 on) and under the interpreter; 16 before 3.5, on HIP and for a version it cannot
+    read."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    scope = {"os": __import__("os"), "re": __import__("re"),
+             "torch": SimpleNamespace(version=SimpleNamespace(hip=hip)), "triton": SimpleNamespace(__version__=version)}
+    exec(runtime_source("environment"), scope)
+    assert scope["_DOT_ROWS"] == rows

@@ -147,6 +147,15 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
     return launches
 
 
+def compiled_value(module, name: str, value):
+    """What compiled CUDA passes for a parameter the interpreter recorded as `value`: COMPILED's constexprs, and the
+    query rows padded to at least what the installed Triton's dots take (the interpreter's take any)."""
+    value = COMPILED.get(name, value)
+    if name == "GROUP_PAD":
+        value = max(value, getattr(module, "_DOT_ROWS", 1))
+    return value
+
+
 def compile_launch(module, launch: dict) -> dict:
     """One recorded launch compiled for sm_90: its shared memory, registers and spills (or the error)."""
     import triton
@@ -159,7 +168,7 @@ def compile_launch(module, launch: dict) -> dict:
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         kind, value = launch["args"].get(name, ("value", None))
-        value = COMPILED.get(name, value)
+        value = compiled_value(module, name, value)
         if name in constexprs or value is None:
             signature[name] = "constexpr"
             constants[name] = tl.dtype(value) if value in ("fp16", "fp32", "bf16") else value

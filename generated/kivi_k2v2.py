@@ -2050,10 +2050,14 @@ _TAKEN = "taken"  # the key of _launch_at's list of launches in a plan's `launch
 
 def _alignment(query: torch.Tensor, cache_addresses: list, out: "torch.Tensor | None") -> tuple:
     """What a plan's launches may differ in from layer to layer: whether the query, each cache tensor and the output
-    the kernels write (`out` where it is contiguous, else a new tensor) start on a 16-byte boundary. It keys the
-    launch sites and, with the scale, the replays."""
-    written = out is None or not out.is_contiguous() or out.data_ptr() % 16 == 0
-    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses), written)
+    the kernels write start on a 16-byte boundary. It keys the launch sites and, with the scale, the replays."""
+    return (query.data_ptr() % 16 == 0, *(a % 16 == 0 for a in cache_addresses), _output_aligned(out))
+
+
+def _output_aligned(out: "torch.Tensor | None") -> bool:
+    """Whether the output the kernels write starts on a 16-byte boundary: `out` where it is contiguous, else a new
+    tensor, which does."""
+    return out is None or not out.is_contiguous() or out.data_ptr() % 16 == 0
 
 
 class _Replay:
@@ -2876,8 +2880,8 @@ def _replayed(plan: DecodePlan, query: torch.Tensor, cache: KVCache, block_table
     ):
         return None
     query = query.contiguous()  # an engine's query is often a view into its fused QKV projection
-    written = out is None or out.data_ptr() % 16 == 0  # as _alignment
-    replay = plan.replays.get(((query.data_ptr() % 16 == 0, *aligned, written), _check_scale(scale, geometry[3])))
+    key = ((query.data_ptr() % 16 == 0, *aligned, _output_aligned(out)), _check_scale(scale, geometry[3]))
+    replay = plan.replays.get(key)
     return replay(query, tensors, addresses, out) if replay is not None else None
 
 

@@ -302,8 +302,6 @@ def _fill_kernel(
     key_ptr,
     value_ptr,
     slot_mapping_ptr,
-    key_channels_ptr,
-    value_channels_ptr,
     key_outlier_codes_ptr,
     key_outlier_meta_ptr,
     key_outlier_matrix_ptr,
@@ -387,9 +385,8 @@ def _fill_kernel(
         # fp16 rows times -1/0/1 are exact products as they stand: one dot.
         for k in tl.static_range(0, KEY_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OUTLIER_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -417,9 +414,8 @@ def _fill_kernel(
         largest = tl.zeros([BLOCK_T], tl.float32)
         for k in tl.static_range(0, KEY_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OUTLIER_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             ).to(tl.float32)
@@ -427,9 +423,8 @@ def _fill_kernel(
         spread = 1.0 / tl.maximum(largest, 1e-30)
         for k in tl.static_range(0, KEY_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OUTLIER_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
@@ -532,9 +527,8 @@ def _fill_kernel(
         # fp16 rows times -1/0/1 are exact products as they stand: one dot.
         for k in tl.static_range(0, KEY_PAD, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OFFSET + k
+                + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < KEY_DIM),
                 other=0.0,
             )
@@ -564,9 +558,8 @@ def _fill_kernel(
         largest = tl.zeros([BLOCK_T], tl.float32)
         for k in tl.static_range(0, KEY_PAD, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OFFSET + k
+                + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < KEY_DIM),
                 other=0.0,
             ).to(tl.float32)
@@ -574,9 +567,8 @@ def _fill_kernel(
         spread = 1.0 / tl.maximum(largest, 1e-30)
         for k in tl.static_range(0, KEY_PAD, IN_BLOCK):
             x = tl.load(
-                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + _head_columns(
-                    key_channels_ptr, head, KEY_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_OFFSET + k
+                + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < KEY_DIM),
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
@@ -667,9 +659,8 @@ def _fill_kernel(
         # fp16 rows times -1/0/1 are exact products as they stand: one dot.
         for k in tl.static_range(0, VALUE_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
+                + VALUE_OUTLIER_OFFSET + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -699,9 +690,8 @@ def _fill_kernel(
         largest = tl.zeros([BLOCK_T], tl.float32)
         for k in tl.static_range(0, VALUE_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
+                + VALUE_OUTLIER_OFFSET + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             ).to(tl.float32)
@@ -709,9 +699,8 @@ def _fill_kernel(
         spread = 1.0 / tl.maximum(largest, 1e-30)
         for k in tl.static_range(0, VALUE_OUTLIER_DIM, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
+                + VALUE_OUTLIER_OFFSET + k + dim[None, :],
                 mask=valid[:, None],
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
@@ -826,9 +815,8 @@ def _fill_kernel(
         # fp16 rows times -1/0/1 are exact products as they stand: one dot.
         for k in tl.static_range(0, VALUE_PAD, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < VALUE_DIM),
                 other=0.0,
             )
@@ -866,9 +854,8 @@ def _fill_kernel(
         largest = tl.zeros([BLOCK_T], tl.float32)
         for k in tl.static_range(0, VALUE_PAD, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < VALUE_DIM),
                 other=0.0,
             ).to(tl.float32)
@@ -876,9 +863,8 @@ def _fill_kernel(
         spread = 1.0 / tl.maximum(largest, 1e-30)
         for k in tl.static_range(0, VALUE_PAD, IN_BLOCK):
             x = tl.load(
-                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + _head_columns(
-                    value_channels_ptr, head, VALUE_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_OFFSET
+                + k + dim[None, :],
                 mask=valid[:, None] & (k + dim[None, :] < VALUE_DIM),
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
@@ -968,8 +954,6 @@ def _flatten_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     start_loc_ptr,
-    key_channels_ptr,
-    value_channels_ptr,
     key_outlier_codes_ptr,
     key_outlier_meta_ptr,
     key_outlier_matrix_ptr,
@@ -1179,9 +1163,7 @@ def _flatten_kernel(
                 out = tl.dot(hi_1, matrix, out)
             out = out * largest[:, None]
             tl.store(
-                key_out_ptr + out_at[:, None] + _head_columns(
-                    key_channels_ptr, head, KEY_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_out_ptr + out_at[:, None] + KEY_OUTLIER_OFFSET + k + dim[None, :],
                 out.to(key_out_ptr.dtype.element_ty),
                 mask=written[:, None],
             )
@@ -1275,9 +1257,7 @@ def _flatten_kernel(
                 out = tl.dot(hi_3, matrix, out)
             out = out * largest[:, None]
             tl.store(
-                key_out_ptr + out_at[:, None] + _head_columns(
-                    key_channels_ptr, head, KEY_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                key_out_ptr + out_at[:, None] + KEY_OFFSET + k + dim[None, :],
                 out.to(key_out_ptr.dtype.element_ty),
                 mask=written[:, None] & (k + dim[None, :] < KEY_DIM),
             )
@@ -1373,9 +1353,7 @@ def _flatten_kernel(
                 out = tl.dot(hi_1, matrix, out)
             out = out * largest[:, None]
             tl.store(
-                value_out_ptr + out_at[:, None] + _head_columns(
-                    value_channels_ptr, head, VALUE_OUTLIER_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_out_ptr + out_at[:, None] + VALUE_OUTLIER_OFFSET + k + dim[None, :],
                 out.to(value_out_ptr.dtype.element_ty),
                 mask=written[:, None],
             )
@@ -1473,9 +1451,7 @@ def _flatten_kernel(
                 out = tl.dot(hi_3, matrix, out)
             out = out * largest[:, None]
             tl.store(
-                value_out_ptr + out_at[:, None] + _head_columns(
-                    value_channels_ptr, head, VALUE_OFFSET + k + dim, HEAD_DIM
-                )[None, :],
+                value_out_ptr + out_at[:, None] + VALUE_OFFSET + k + dim[None, :],
                 out.to(value_out_ptr.dtype.element_ty),
                 mask=written[:, None] & (k + dim[None, :] < VALUE_DIM),
             )
@@ -2142,15 +2118,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _head_columns(channels_ptr, head, columns, HEAD_DIM: tl.constexpr):
-    """Where KV head `head`'s permuted columns `columns` (outliers first) sit in its row as given: its channel
-    order there. The columns and the channels read are both clamped into the row, so an order that is not a
-    permutation (set while a graph was captured, checked only on a later call) never reads or writes outside it."""
-    channel = tl.load(channels_ptr + head * HEAD_DIM + tl.minimum(columns, HEAD_DIM - 1))
-    return tl.minimum(tl.maximum(channel, 0), HEAD_DIM - 1)
-
-
-@triton.jit
 def _query_parts_kernel(
     query_ptr,
     key_channels_ptr,
@@ -2191,13 +2158,10 @@ def _query_parts_kernel(
     for first in range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
         block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
-        part = tl.load(
-            query_ptr + row[:, None] * HEAD_DIM + _head_columns(
-                key_channels_ptr, kv_head, KEY_OUTLIER_OFFSET + block[None, :], HEAD_DIM
-            ),
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
+        column = tl.load(
+            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :], mask=mask, other=0
+        )
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
         matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + block[None, :])
         x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
     tl.store(query_outlier_out_ptr + row[:, None] * KEY_OUTLIER_DIM + pos[None, :], x, mask=real[:, None])
@@ -2208,13 +2172,8 @@ def _query_parts_kernel(
     for first in range(0, KEY_PAD, KEY_BLOCK):
         block = first + tl.arange(0, KEY_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_DIM)[None, :]
-        part = tl.load(
-            query_ptr + row[:, None] * HEAD_DIM + _head_columns(
-                key_channels_ptr, kv_head, KEY_OFFSET + block[None, :], HEAD_DIM
-            ),
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
+        column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask=mask, other=0)
+        part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
         matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + block[None, :])
         x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
     tl.store(query_out_ptr + row[:, None] * KEY_PAD + pos[None, :], x, mask=real[:, None])
@@ -2281,13 +2240,8 @@ def _merge_parts_kernel(
         matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
         inside = block < VALUE_OUTLIER_DIM
-        tl.store(
-            out_ptr + q_row * HEAD_DIM + _head_columns(
-                value_channels_ptr, kv_head, VALUE_OUTLIER_OFFSET + block, HEAD_DIM
-            ),
-            out.to(out_ptr.dtype.element_ty),
-            mask=inside,
-        )
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
     # value
     pos = tl.arange(0, VALUE_PAD)
     VALUE_BLOCK: tl.constexpr = min(VALUE_PAD, 32)
@@ -2298,11 +2252,8 @@ def _merge_parts_kernel(
         matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
         inside = block < VALUE_DIM
-        tl.store(
-            out_ptr + q_row * HEAD_DIM + _head_columns(value_channels_ptr, kv_head, VALUE_OFFSET + block, HEAD_DIM),
-            out.to(out_ptr.dtype.element_ty),
-            mask=inside,
-        )
+        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + block, mask=inside, other=0)
+        tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Paley's Hadamard matrices (construction I, q = 11 and 19), for the head sizes that are not powers of two:
@@ -2832,9 +2783,18 @@ def _channels(cache: KVCache, base: str) -> torch.Tensor:
     return order
 
 
+def _permute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] in each head's channel order (outliers first)."""
+    return x.gather(2, order.expand(x.shape[0], -1, -1))
+
+
+def _unpermute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x).scatter_(2, order.expand(x.shape[0], -1, -1), x)
+
+
 def _check_channels(cache: KVCache, name: str) -> bool:
-    """A channel order the kernels read and write rows through: each KV head's row a permutation of 0..head_dim-1
-    (a repeated channel leaves flatten's output partly unwritten; the kernels clamp one out of range into the row)."""
+    """A channel order the wrappers gather and scatter with: each KV head's row a permutation of 0..head_dim-1
+    (a repeated channel leaves flatten's output partly unwritten; one out of range fails inside torch)."""
     order = getattr(cache, name)
     if order is None:
         return True
@@ -2932,6 +2892,8 @@ def fill(
             raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {num_slots} slots")
     if num_tokens == 0:
         return
+    key = _permute(key, _channels(cache, "key"))  # outlier channels first
+    value = _permute(value, _channels(cache, "value"))  # outlier channels first
     tables = _tables(cache.head_dim, cache.device)
     shares = _cdiv(num_tokens, _FILL_BLOCK_T)  # a KV head's programs
     heads_fastest = _heads_fastest(cache)
@@ -2941,8 +2903,6 @@ def fill(
         key,
         value,
         slot_mapping,
-        _channels(cache, "key"),
-        _channels(cache, "value"),
         cache.key_outlier_codes,
         cache.key_outlier_meta,
         tables["key_outlier_matrix"],
@@ -3034,20 +2994,13 @@ def flatten(
         value = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         longest = max(lens, default=0)
     else:
-        _check_paging(cache, block_tables, seq_lens)
-        key, value = _check_flatten_out(cache, out)
-        capacity = block_tables.shape[1] * cache.block_size
-        if start_loc is None:
-            start_loc = torch.cumsum(seq_lens, 0) - seq_lens
-        else:
-            _check_tensor("start_loc", start_loc, cache.device, _INDEX_DTYPES, (block_tables.shape[0],))
-        if _checking(cache.device) and block_tables.shape[0]:
-            if not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
-                raise ValueError(f"seq_lens: expected values 0..{capacity} (block_tables columns * block_size)")
-            _check_block_ids(cache, block_tables, seq_lens)
-        longest = capacity
+        raise ValueError(
+            f"out: {SCHEME['name']} splits channels into parts, so flatten returns new tensors (drop out=)"
+        )
     if key.shape[0] == 0 or block_tables.shape[0] == 0 or longest == 0:
         return key, value
+    key_channels = _channels(cache, "key")
+    value_channels = _channels(cache, "value")
     tables = _tables(cache.head_dim, cache.device)
     tiles = min(_cdiv(longest, _FLATTEN_BLOCK_T), _MAX_GRID_YZ)  # the programs stride over the rest
     if out is not None:  # lengths unknown on the host: as many programs as fill the device stride over the tiles
@@ -3063,8 +3016,6 @@ def flatten(
         block_tables,
         seq_lens,
         start_loc,
-        _channels(cache, "key"),
-        _channels(cache, "value"),
         cache.key_outlier_codes,
         cache.key_outlier_meta,
         tables["key_outlier_matrix"],
@@ -3102,29 +3053,8 @@ def flatten(
         DOT_PRECISION=_DOT_PRECISION,
         num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
     )
-    return key, value
-
-
-def _check_flatten_out(cache: KVCache, out) -> "tuple[torch.Tensor, torch.Tensor]":
-    """flatten's out=(key, value): two float tensors [rows, num_kv_heads, head_dim] on the cache's device with the
-    same shape and strides (one pair of strides reaches both), the last dim contiguous, no two rows overlapping."""
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError(f"out: expected a (key, value) pair of tensors, got {type(out).__name__}")
-    key, value = out
-    for name, t in (("out[0]", key), ("out[1]", value)):
-        _check_tensor(name, t, cache.device, _FLOAT_DTYPES, ("rows", cache.num_kv_heads, cache.head_dim))
-    if value.shape != key.shape or value.stride() != key.stride():
-        raise ValueError(f"out[1]: expected key's shape {list(key.shape)} and strides {key.stride()}, got "
-                         f"{list(value.shape)} and {value.stride()}")
-    # Rows of head_dim values must not alias: the smaller stride spans a row, the larger one the other dim's extent.
-    spans = sorted((stride, extent) for stride, extent in zip(key.stride()[:2], key.shape[:2]) if extent > 1)
-    inner = cache.head_dim
-    for stride, extent in spans:
-        if stride < inner:
-            raise ValueError(
-                f"out: rows overlap (strides {key.stride()}); pass buffers whose rows and heads do not alias"
-            )
-        inner = stride * extent
+    key = _unpermute(key, key_channels)  # back in channel order
+    value = _unpermute(value, value_channels)  # back in channel order
     return key, value
 
 

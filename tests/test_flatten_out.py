@@ -13,14 +13,12 @@ from conftest import DEVICE, generated
 
 BLOCK_SIZE, HEADS = 32, 2  # 32: kivi_k2v2's key groups of 32 tokens must not straddle blocks
 SEQ_LENS = [5, 0, 37]
-# One scheme per kernel family: Hadamard blocks (rotated basis offered), affine codes, a window ring, a channel
-# split (its parts written through each KV head's channel order).
-CASES = ["turbo_k4v2", "int8_token", "kivi_k2v2", "turbo_outlier_2p5"]
+# One scheme per kernel family: Hadamard blocks (rotated basis offered), affine codes, a window ring.
+CASES = ["turbo_k4v2", "int8_token", "kivi_k2v2"]
 
 
-def filled(name: str, seed: int = 0):
+def filled(name: str, head_dim: int = 64, seed: int = 0):
     kv = generated(name)
-    head_dim = 64 if 64 in kv.HEAD_DIMS else kv.HEAD_DIMS[0]
     torch.manual_seed(seed)
     window = hasattr(kv, "WINDOW")
     extra = {"max_seqs": len(SEQ_LENS)} if window else {}
@@ -35,8 +33,6 @@ def filled(name: str, seed: int = 0):
     slot_mapping, positions, rows = torch.cat(slots), torch.cat(positions), torch.cat(rows)
     key = torch.randn(len(slot_mapping), HEADS, head_dim, device=DEVICE, dtype=torch.float16)
     value = torch.randn_like(key)
-    if hasattr(kv, "calibrate"):
-        kv.calibrate(cache, key, value)
     kv.fill(cache, key, value, slot_mapping, positions=positions, window_index=rows)  # ignored without a window
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=DEVICE)
     return kv, cache, (tables, seq_lens), torch.arange(3, device=DEVICE) if window else None, head_dim

@@ -133,14 +133,10 @@ class SideLayout:
         """The constexpr holding this part's first channel in the permuted head; "" for a side that is not split."""
         return f"{self.name.upper()}_OFFSET" if self.split else ""
 
-    def head_columns(self, columns: str, head: str = "head") -> str:
-        """Where this part's columns `columns` sit in KV head `head`'s row as given: the columns themselves for a
-        whole side; for a split one, the head's channel order (calibrate's `<side>_channels`) read from the part's
-        first channel on by `_head_columns` (kernels/parts.py.j2), so fill gathers and flatten and decode scatter
-        in the kernels, with no permuted copy of the rows."""
-        if not self.split:
-            return columns
-        return f"_head_columns({self.base}_channels_ptr, {head}, {self.offset_expr} + {columns}, HEAD_DIM)"
+    @property
+    def offset_term(self) -> str:
+        """What a part adds to a head's first column to reach its own (" + <PART>_OFFSET"); "" for a whole side."""
+        return f" + {self.offset_expr}" if self.split else ""
 
     @property
     def chunk_pad(self) -> str:
@@ -372,10 +368,11 @@ class SideLayout:
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
     @property
     def input_rows(self) -> str:
-        """Where fill's new rows of this side start: the tile's tokens `token` of KV head `head` (a part's columns
-        add `head_columns`)."""
+        """Where fill's new rows of this part start: the tile's tokens `token` of KV head `head`, at the part's first
+        channel."""
         base = self.base
-        return f"{base}_ptr + token[:, None].to(tl.int64) * stride_{base}_token + head * stride_{base}_head"
+        rows = f"token[:, None].to(tl.int64) * stride_{base}_token + head * stride_{base}_head"
+        return f"{base}_ptr + {rows}{self.offset_term}"
 
     @property
     def block_mask(self) -> str:
@@ -1950,17 +1947,12 @@ class Layout:
                            f"**_part_constexprs({head_dim})")
 
     @property
-    def _channel_params(self) -> list[KernelParam]:
-        """Each split side's channel order, which fill and flatten read their rows' columns through."""
-        return [_positional(f"{base}_channels_ptr", f'_channels(cache, "{base}")') for base in self.split_bases]
-
-    @property
     def fill_params(self) -> tuple[KernelParam, ...]:
-        """_fill_kernel's parameters and fill's launch arguments, in order: the new rows and their slots, the split
-        sides' channel orders, the key mean, every part's tensors and tables, the token count, slots and strides
-        (and the tiles a program loops over); then the constexprs."""
+        """_fill_kernel's parameters and fill's launch arguments, in order: the new rows and their slots, the key
+        mean, every part's tensors and tables, the token count, slots and strides (and the tiles a program loops
+        over); then the constexprs."""
         params = [_positional("key_ptr", "key"), _positional("value_ptr", "value"),
-                  _positional("slot_mapping_ptr", "slot_mapping")] + self._channel_params
+                  _positional("slot_mapping_ptr", "slot_mapping")]
         if self.centered:
             params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
         for side in self.sides:
@@ -1984,12 +1976,12 @@ class Layout:
     @property
     def flatten_params(self) -> tuple[KernelParam, ...]:
         """_flatten_kernel's parameters and flatten's launch arguments, in order: the output rows, the paging and
-        each sequence's first row, the split sides' channel orders, every part's tensors and tables (with the PTX
-        lookups' codebook words where flatten takes them), the ring rows, the key mean, the sizes and strides; then
-        the constexprs, the last two for PTX lookups into an fp16 or bf16 output and the rotated basis asked for."""
+        each sequence's first row, every part's tensors and tables (with the PTX lookups' codebook words where
+        flatten takes them), the ring rows, the key mean, the sizes and strides; then the constexprs, the last two
+        for PTX lookups into an fp16 or bf16 output and the rotated basis asked for."""
         params = [_positional("key_out_ptr", "key"), _positional("value_out_ptr", "value"),
                   _positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens"),
-                  _positional("start_loc_ptr", "start_loc")] + self._channel_params
+                  _positional("start_loc_ptr", "start_loc")]
         for side in self.sides:
             params += side.params
             if side.flatten_fast and side.lut_words:

@@ -1,5 +1,5 @@
-"""What only schemes that quantize outlier channels apart carry: each KV head's channel order, which the kernels
-read and write rows through (`_head_columns`), and the check of an order an engine or calibrate set.
+"""What only schemes that quantize outlier channels apart carry: each KV head's channel order, the permutations
+into and out of it, and the check of an order an engine or calibrate set.
 
 The modules of channel-split schemes carry this text (see kvqc/compiler/runtime/__init__.py).
 """
@@ -31,9 +31,18 @@ def _channels(cache: KVCache, base: str) -> torch.Tensor:
     return order
 
 
+def _permute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] in each head's channel order (outliers first)."""
+    return x.gather(2, order.expand(x.shape[0], -1, -1))
+
+
+def _unpermute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x).scatter_(2, order.expand(x.shape[0], -1, -1), x)
+
+
 def _check_channels(cache: KVCache, name: str) -> bool:
-    """A channel order the kernels read and write rows through: each KV head's row a permutation of 0..head_dim-1
-    (a repeated channel leaves flatten's output partly unwritten; the kernels clamp one out of range into the row)."""
+    """A channel order the wrappers gather and scatter with: each KV head's row a permutation of 0..head_dim-1
+    (a repeated channel leaves flatten's output partly unwritten; one out of range fails inside torch)."""
     order = getattr(cache, name)
     if order is None:
         return True

@@ -149,10 +149,11 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
-# Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
-# where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
+# Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
+# stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
 _LOOP_STAGES = {}
-_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
+# flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
+_FLATTEN_PROGRAMS_PER_SM = 32
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
 # sequence[, a cap on registers per thread, for more resident warps]). Tuned on NVIDIA H100 80GB HBM3 (batch 8, context
 # 8k/32k, 32 query / 8 KV heads, block_size 64, fp16, CUDA-graph kernel time); templates/decode_tuning.json records the
@@ -3080,7 +3081,9 @@ def flatten(
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
         ROTATED=rotated,
-        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
+        # One stage, no software pipelining: a program mostly takes one tile, and the stages' shared-memory copies
+        # of its loads only cost resident programs (docs/benchmarks.md, "Fill and flatten").
+        num_stages=1,
     )
     return key, value
 

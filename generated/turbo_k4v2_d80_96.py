@@ -114,10 +114,8 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
-# Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
-# where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
-_LOOP_STAGES = {}
-_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
+# flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
+_FLATTEN_PROGRAMS_PER_SM = 32
 # ... and apply it this many input (fill) or output (flatten) columns at a time: the faster width for each on an
 # H100 (fill keeps every output chunk's accumulator live beside its input block).
 _FILL_IN_BLOCK = 64
@@ -1922,7 +1920,9 @@ def flatten(
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=min(_FLATTEN_IN_BLOCK, _pow2(cache.head_dim)),
         DOT_PRECISION=_DOT_PRECISION,
-        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
+        # One stage, no software pipelining: a program mostly takes one tile, and the stages' shared-memory copies
+        # of its loads only cost resident programs (docs/benchmarks.md, "Fill and flatten").
+        num_stages=1,
     )
     return key, value
 

@@ -210,10 +210,8 @@ _FILL_BLOCK_T = 64
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
 _FLATTEN_BLOCK_T = 64
-# Pipeline stages of fill's and flatten's tile loops, per head_dim where fewer than Triton's 3 (a looping fill's 2):
-# where the stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
-_LOOP_STAGES = {256: 1}
-_FLATTEN_PROGRAMS_PER_SM = 8  # flatten into an engine's buffers, lengths unread: programs that stride over tiles
+# flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
+_FLATTEN_PROGRAMS_PER_SM = 32
 # ... and apply it this many input (fill) or output (flatten) columns at a time: the faster width for each on an
 # H100 (fill keeps every output chunk's accumulator live beside its input block).
 _FILL_IN_BLOCK = 64
@@ -3051,7 +3049,9 @@ def flatten(
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=_in_block(cache.head_dim, _FLATTEN_IN_BLOCK),
         DOT_PRECISION=_DOT_PRECISION,
-        num_stages=_LOOP_STAGES.get(cache.head_dim, 3),
+        # One stage, no software pipelining: a program mostly takes one tile, and the stages' shared-memory copies
+        # of its loads only cost resident programs (docs/benchmarks.md, "Fill and flatten").
+        num_stages=1,
     )
     key = _unpermute(key, key_channels)  # back in channel order
     value = _unpermute(value, value_channels)  # back in channel order

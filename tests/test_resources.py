@@ -14,11 +14,12 @@ from kvqc.tools import resources
 
 
 @pytest.mark.parametrize("scheme, stages", [
-    ("turbo_qjl_k3v3", {256: 1}), ("turbo_outlier_2p5", {256: 1}), ("turbo_k4v2", {}), ("int8_token", {}),
+    ("turbo_qjl_k3v3", {256: 1}), ("turbo_outlier_2p5", {}), ("turbo_k4v2", {}), ("int8_token", {}),
 ])
 def test_tile_loops_lose_stages_only_where_their_matrices_pass_an_sm(scheme, stages):
-    # A QJL projection (float32) or a dense rotation (fp16) is copied by every stage past the first: at head_dim 128
-    # the copies fit (3 stages), at 256 one stage is all an SM holds. Hadamard blocks load no matrix.
+    # A QJL projection (float32) is copied by every stage past the first of a looping fill: at head_dim 128 the
+    # copies fit (2 stages), at 256 one stage is all an SM holds. Hadamard blocks load no matrix; turbo_outlier_2p5's
+    # fill takes a tile a program (no loop), and flatten always runs one stage.
     assert plan(load_scheme(SCHEMES / f"{scheme}.yaml")).loop_stages == stages
 
 

@@ -1393,13 +1393,13 @@ class Layout:
 
     @property
     def loop_stages(self) -> dict[int, int]:
-        """Pipeline stages of fill's and flatten's tile loops, per head_dim where Triton's own (3, or a looping fill's
-        2) would not fit: the pipeliner gives every stage past the first a copy of each load in the loop, and the
-        matrices are loaded there a block at a time, though they are the same on every tile. A dense rotation is
-        fp16 (+-1 entries), a QJL projection float32, each as wide as the part's positions: at head_dim 256 one
-        projection is 256 KiB a copy."""
+        """Pipeline stages of fill's tile loop, per head_dim where Triton's own (3, or a looping fill's 2) would not
+        fit (flatten's takes one stage): the pipeliner gives every stage past the first a copy of each load in the
+        loop, and the matrices are loaded there a block at a time, though they are the same on every tile. A dense
+        rotation is fp16 (+-1 entries), a QJL projection float32, each as wide as the part's positions: at head_dim
+        256 one projection is 256 KiB a copy."""
         stages = {}
-        for d in self.head_dims:
+        for d in self.head_dims if self.fill_loops else ():
             copy = 0
             for part in self.sides:
                 width = 1 << (part.part_dim(d) - 1).bit_length()

@@ -1092,8 +1092,9 @@ def flatten(
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
-        # One stage, no software pipelining: a program mostly takes one tile, and the stages' shared-memory copies
-        # of its loads only cost resident programs (docs/benchmarks.md, "Fill and flatten").
+        # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
+        # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
+        # "Fill and flatten": as fast or faster than three stages for every scheme measured, head_dim 128).
         num_stages=1,
     )
     return key, value

@@ -56,3 +56,24 @@ def test_plot_draws_a_line_per_scheme_and_layout(tmp_path, monkeypatch):
     labels.clear()
     bench.plot(rows[:2], str(tmp_path / "one.png"))
     assert "a (eager)" in labels
+
+
+def test_fill_and_flatten_shares_take_graph_times_where_measured():
+    assert bench._kernel_ms({"flatten_ms": 0.3, "flatten_graph_ms": 0.2}, "flatten") == 0.2
+    assert bench._kernel_ms({"flatten_ms": 0.3, "flatten_graph_ms": None}, "flatten") == 0.3
+    assert bench._kernel_ms({"fill_ms": 0.4}, "fill") == 0.4
+
+
+def test_a_flatten_that_takes_no_buffers_keeps_its_eager_time_with_a_note(monkeypatch):
+    """A channel split's flatten refuses out= buffers: no graph time, and the row says why."""
+    import torch
+    from conftest import generated
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    m = generated("turbo_outlier_2p5")
+    cache = m.allocate_cache(2, 16, 1, 128, device="cpu")
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    row = {}
+    assert bench._flatten_graph_ms(m, row, [cache], tables, lens, {}) is None
+    assert row["note"].startswith("flatten graph: ValueError: out: turbo_outlier_2p5 splits channels into parts")

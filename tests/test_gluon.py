@@ -40,7 +40,7 @@ out = {}
 for name, block_size, layout in json.loads(sys.argv[1]):
     fn = load(name)._decode_kernel_gluon
     strides = dict(HEAD_STRIDE=block_size, TOKEN_STRIDE=1) if layout == "bhsd" else dict(HEAD_STRIDE=1, TOKEN_STRIDE=8)
-    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=block_size, **strides, BLOCK_N=32,
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_SIZE=block_size, **strides, BLOCK_N=32,
                       DOT_DTYPE=tl.float16, DOT_PRECISION="tf32x3", LAZY_RESCALE=False,
                       FAST_UNPACK=True, MERGE=True, ROTATE=True, PDL=True)
     signature, attrs = {}, {}

@@ -32,7 +32,7 @@ def launches_at_256(scheme: str) -> tuple:
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5"])
 def test_kernels_fit_an_sm_at_head_dim_256(scheme):
-    # Their fill and flatten load d x d matrices in the tile loop, which every pipeline stage copies.
+    # Their fill and flatten load d x d matrices, which a looping fill's pipeline stages copy (flatten runs one stage).
     rows = resources.measure(scheme, 256, launches=list(launches_at_256(scheme)))
     assert {"_fill_kernel", "_decode_kernel", "_flatten_kernel"} <= {row["kernel"] for row in rows}
     for row in rows:

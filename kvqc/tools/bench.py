@@ -360,7 +360,7 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
         host_lens = seq_lens.cpu()
         row["flatten_ms"] = _bench(_rotating(lambda c: module.flatten(c, block_tables, host_lens, **rows),
                                              [(c,) for c in caches]))
-        row["flatten_graph_ms"] = _flatten_graph_ms(module, caches, block_tables, seq_lens, rows)
+        row["flatten_graph_ms"] = _flatten_graph_ms(module, row, caches, block_tables, seq_lens, rows)
         if hasattr(module, "attend"):
             _measure_attend(module, row, caches, block_tables, seq_lens, hq)
     caches = cache = None  # frees them (the timed lambdas hold the names)
@@ -381,25 +381,28 @@ def _measure(module: ModuleType, row: dict, cfg: dict) -> None:
 
 
 def _kernel_ms(row: dict, name: str) -> float:
-    """fill's or flatten's time in a CUDA graph, where it has one: the kernels' work without the host's, which eager
-    calls of a kernel this short expose (one call a timed rep)."""
+    """fill's or flatten's time in a CUDA graph where it has one, else its eager time. Graphed, flatten writes into
+    out= buffers with the lengths on the device, so its time leaves out the host work (the read of seq_lens, the new
+    output tensors) that one eager call of it includes."""
     graphed = row.get(f"{name}_graph_ms")
     return row[f"{name}_ms"] if graphed is None else graphed
 
 
-def _flatten_graph_ms(module: ModuleType, caches: list, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      rows: dict) -> float | None:
+def _flatten_graph_ms(module: ModuleType, row: dict, caches: list, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, rows: dict) -> float | None:
     """flatten into out= buffers (an engine's prefill path: lengths on the device, nothing read on the host) in a CUDA
-    graph over the cache copies; None for a module whose flatten takes no buffers (a channel split's)."""
+    graph over the cache copies; None, with a note, where the module's flatten takes no buffers (a channel split's)
+    or the capture fails."""
     cache = caches[0]
     shape = (int(seq_lens.sum()), cache.num_kv_heads, cache.head_dim)
     out = tuple(torch.empty(shape, dtype=torch.float16, device=DEVICE) for _ in "kv")
     call = _rotating(lambda c: module.flatten(c, block_tables, seq_lens, out=out, **rows), [(c,) for c in caches])
     try:
         call()
-    except ValueError:
+        return graph_ms(call, len(caches))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        _note(row, f"flatten graph: {_one_line(exc)}")
         return None
-    return graph_ms(call, len(caches))
 
 
 def _scratch_mib(call: Callable[[], object]) -> float:
@@ -619,7 +622,9 @@ def run(args: argparse.Namespace) -> int:
               "copy_bandwidth_gbps": bandwidth, "l2_bytes": _l2_bytes(),
               "method": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms); inputs rotated over copies "
                         f"exceeding {L2_MULTIPLE}x L2; floors = bytes / copy bandwidth (read + written); graph: "
-                        "one call's share of a CUDA graph replaying one call per copy"}
+                        "one call's share of a CUDA graph replaying one call per copy; fill and flatten %bw from "
+                        "graph times (flatten into out= buffers, lengths on the device), eager where a module's "
+                        "flatten takes no buffers or a capture fails (the row's note says which)"}
     print(f"device: {header['device']}")
     print(f"torch {header['torch']}, triton {header['triton']}")
     print(f"copy bandwidth: {bandwidth:.0f} GB/s (device-to-device, read + written); "
@@ -644,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         for layout in layouts:
             print(f"\n{name} ({path}), layout {layout}; fill and flatten %bw from CUDA-graph times (flatten into "
-                  "out= buffers; eager, host read of seq_lens included, where a module takes none)")
+                  "out= buffers), eager where flatten takes no buffers or a capture fails (see the note)")
             print(table_header(), flush=True)
             for shape in grid:
                 row = bench_shape(module, name, shape, cfg | {"layout": layout})

@@ -79,15 +79,32 @@ def _build(args: argparse.Namespace) -> int:
             if now != source:
                 stale += 1
                 print(printable(f"{target}: stale, run `kvqc build {scheme.source}`"), file=sys.stderr)
-        elif now != source:
+            continue
+        if now != source:
             write_atomic(target, source)
             print(printable(f"{scheme.source} -> {target}"))
         else:
             print(printable(f"{target}: up to date"))
+        note = _slow_decode_note(scheme)
+        if note:
+            print(printable(f"{target}: note: {note}"), file=sys.stderr)
     package = Path(args.out) / "__init__.py"
     if not args.check and rendered and not package.exists():
         write_atomic(package, "")  # `from generated import x` with the output's parent on sys.path
     return 1 if stale else 0
+
+
+def _slow_decode_note(scheme: Scheme) -> str:
+    """What a build says of a module whose decode reads some side without a PTX helper: which sides, why, and where
+    to read more; "" where every side has one (or fp8's hardware conversion)."""
+    from kvqc.compiler.layout import plan
+
+    slow = [side for side in plan(scheme).sides if side.without_fast_decode]
+    if not slow:
+        return ""
+    why = "; ".join(f"{side.name}: {side.portable_reason}" for side in slow)
+    return (f"decode reads {' and '.join(side.name for side in slow)} on the portable path, with no PTX unpacking "
+            f"helper ({why}); `kvqc explain {scheme.source}` shows each side's path")
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -893,6 +893,13 @@ class SideLayout:
             return f"{s.scale.kind} scales per token"
         return f"a {2 ** bits}-entry codebook"
 
+    @property
+    def without_fast_decode(self) -> bool:
+        """Decode reads this side on the portable path and no hardware conversion stands in for a PTX helper: the
+        side `kvqc build` notes, so that a scheme author hears it before a benchmark (fp8 codes, which the hardware
+        converts, reach the PTX formats' share of their floor)."""
+        return bool(self.portable_reason) and self.portable_reason != "fp8 codes, which the hardware converts"
+
     def decode_path(self) -> str:
         """How decode reads this side, in words (`kvqc explain`)."""
         if self.fast_unpack:

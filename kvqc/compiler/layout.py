@@ -25,6 +25,10 @@ from kvqc.numerics import rotation
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
+# The portable path's one fast case (SideLayout.portable_reason): fp8 codes, which the hardware converts.
+HARDWARE_CONVERTED = "fp8 codes, which the hardware converts"
+
+
 @dataclass(frozen=True)
 class KernelParam:
     """One entry of a kernel's parameter list and what its launch passes there, decided once for both: `names` are
@@ -886,7 +890,7 @@ class SideLayout:
             beside = f"a {2 ** bits}-entry codebook" if kind == "lloyd_max" else f"{kind} codes"
             return f"a QJL residual beside {beside}"
         if kind == "fp8":
-            return "fp8 codes, which the hardware converts"
+            return HARDWARE_CONVERTED
         if residual == "sign":
             return f"a sign residual beside {bits}-bit codes in {len(self.planes)} bit planes"
         if kind == "uniform":
@@ -898,7 +902,7 @@ class SideLayout:
         """Decode reads this side on the portable path and no hardware conversion stands in for a PTX helper: the
         side `kvqc build` notes, so that a scheme author hears it before a benchmark (fp8 codes, which the hardware
         converts, reach the PTX formats' share of their floor)."""
-        return bool(self.portable_reason) and self.portable_reason != "fp8 codes, which the hardware converts"
+        return self.portable_reason not in ("", HARDWARE_CONVERTED)
 
     def decode_path(self) -> str:
         """How decode reads this side, in words (`kvqc explain`)."""

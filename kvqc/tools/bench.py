@@ -474,12 +474,13 @@ def _measure_fill(module: ModuleType, row: dict, cfg: dict) -> None:
     sets = [first] + [copy_set() for _ in range(copies - 1)]
     row["fill_tokens"] = tokens
     window = _token_rows(module, b, per_seq)  # the same positions and ring rows for every copy
-    row["fill_ms"] = _bench(_rotating(lambda *args: module.fill(*args, **window), sets))
+    fill_call = _rotating(lambda *args: module.fill(*args, **window), sets)
+    row["fill_ms"] = _bench(fill_call)
     try:
-        row["fill_graph_ms"] = graph_ms(_rotating(lambda *args: module.fill(*args, **window), sets), copies)
+        row["fill_graph_ms"] = graph_ms(fill_call, copies)
     except RuntimeError as exc:  # a fill that cannot be captured keeps its eager time
         _note(row, f"fill graph: {_one_line(exc)}")
-    del sets, first
+    del sets, first, fill_call
     row["fill_bytes"] = fp16_kv_bytes(tokens, hkv, d) + tokens * hkv * row["bytes_per_token"]
     row["fill_bytes"] += fp16_kv_bytes(b * min(per_seq, getattr(module, "WINDOW", 0)), hkv, d)  # ring writes
     row["fill_fraction_of_bw"] = gbps(row["fill_bytes"], _kernel_ms(row, "fill")) / cfg["copy_gbps"]

@@ -59,3 +59,18 @@ def test_a_split_string_keeps_its_fields():
     assert same_tree(source, wrapped)
     strings = [n for n in ast.walk(ast.parse(wrapped)) if isinstance(n, ast.JoinedStr)]
     assert len(strings) == 1  # implicit concatenation: still one f-string
+
+
+def test_an_f_string_wraps_the_same_on_every_python():
+    """Python 3.12 tokenizes f-strings into parts (PEP 701): the wrapper still breaks between the literal's words,
+    never inside a field's braces, so that `kvqc build --check` agrees across Python versions."""
+    source = ("        raise ValueError(\n"
+              "            f\"max_seqs: {SCHEME['name']} keeps each sequence's last {WINDOW} tokens in a ring; pass "
+              "max_seqs, the most sequences alive at once\"\n"
+              "        )\n")
+    assert wrap(source).splitlines() == [
+        "        raise ValueError(",
+        "            f\"max_seqs: {SCHEME['name']} keeps each sequence's last {WINDOW} \"",
+        "            \"tokens in a ring; pass max_seqs, the most sequences alive at once\"",
+        "        )",
+    ]

@@ -88,9 +88,30 @@ def _comment(line: str, limit: int) -> list[str]:
                          break_long_words=False, break_on_hyphens=False) or [line]
 
 
+_SKIPPED = (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER, tokenize.INDENT, tokenize.DEDENT)
+# Python 3.12 tokenizes an f-string into parts (PEP 701), its fields' braces as brackets; the wrapper treats every
+# string literal as one token, as Python 3.11 does, so that a module renders the same on either.
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+
+
 def _tokens(code: str) -> list[tokenize.TokenInfo]:
-    return [t for t in tokenize.generate_tokens(io.StringIO(code + "\n").readline)
-            if t.type not in (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER, tokenize.INDENT, tokenize.DEDENT)]
+    """The statement's tokens on its one line, each f-string one STRING token."""
+    out: list[tokenize.TokenInfo] = []
+    start, depth = None, 0
+    for t in tokenize.generate_tokens(io.StringIO(code + "\n").readline):
+        if t.type == _FSTRING_START:
+            start, depth = start or t, depth + 1
+        elif depth:
+            if t.type == _FSTRING_END:
+                depth -= 1
+                if not depth:
+                    text = code[start.start[1] : t.end[1]]
+                    out.append(tokenize.TokenInfo(tokenize.STRING, text, start.start, t.end, t.line))
+                    start = None
+        elif t.type not in _SKIPPED:
+            out.append(t)
+    return out
 
 
 def _statement(line: str, limit: int, depth: int = 0, inside: bool = False) -> list[str]:
@@ -272,7 +293,7 @@ def _operators(code: str, tokens: list[tokenize.TokenInfo], inside: bool, width:
 
 def _string(code: str, tokens: list[tokenize.TokenInfo], inside: bool) -> list[tuple[int, str]] | None:
     """Break the longest string literal in two at a space outside any {...} field, as implicit concatenation."""
-    strings = [t for t in tokens if t.type == tokenize.STRING or t.type == getattr(tokenize, "FSTRING_START", -1)]
+    strings = [t for t in tokens if t.type == tokenize.STRING]
     if not strings:
         return None
     tok = max(strings, key=lambda t: len(t.string))

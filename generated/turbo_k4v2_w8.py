@@ -182,6 +182,9 @@ _FILL_PROGRAMS_PER_SM = {128: 3}
 # Registers per thread of the looping fill, per head_dim where measured (templates/decode_tuning.json,
 # `fill_registers`): a cap that lets one more program reside per SM. Other head dims keep the compiler's count.
 _FILL_MAX_REGISTERS = {128: 168}
+# Warps of a fill program, per head_dim where 8 were measured faster than 4 (templates/decode_tuning.json,
+# `fill_warps`): where a wide tile's rotated chunks, held through the quantization, spill 4 warps' registers.
+_FILL_WARPS = {}
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
@@ -190,7 +193,8 @@ _SPLIT_CHUNK_MAX = 2048
 _MERGE_ROWS = 128
 _FLATTEN_BLOCK_T = 64
 # Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
-# stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
+# stages' copies of a dense rotation, or of the tiles (`fill_stages` in templates/decode_tuning.json), would pass an
+# SM's shared memory.
 _LOOP_STAGES = {}
 # flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
 _FLATTEN_PROGRAMS_PER_SM = 32
@@ -2644,6 +2648,7 @@ def fill(
         # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES says.
         **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
            else {"num_stages": stages}),
+        num_warps=_FILL_WARPS.get(cache.head_dim, 4),
     )
     _launch(
         _window_store_kernel, (_cdiv(num_tokens, _FILL_BLOCK_T), cache.num_kv_heads),

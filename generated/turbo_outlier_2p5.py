@@ -2116,6 +2116,13 @@ def _decode_kernel(
 
 
 @triton.jit
+def _channel(order_ptr, mask, HEAD_DIM: tl.constexpr):
+    """Channels of a KV head's order, held inside the row: the wrappers check the order on eager calls, and one
+    changed while a CUDA graph replays must not read or write past the row."""
+    return tl.minimum(tl.maximum(tl.load(order_ptr, mask=mask, other=0), 0), HEAD_DIM - 1)
+
+
+@triton.jit
 def _query_parts_kernel(
     query_ptr,
     key_channels_ptr,
@@ -2156,9 +2163,7 @@ def _query_parts_kernel(
     for first in range(0, KEY_OUTLIER_DIM, KEY_OUTLIER_BLOCK):
         block = first + tl.arange(0, KEY_OUTLIER_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_OUTLIER_DIM)[None, :]
-        column = tl.load(
-            key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :], mask=mask, other=0
-        )
+        column = _channel(key_channels_ptr + kv_head * HEAD_DIM + KEY_OUTLIER_OFFSET + block[None, :], mask, HEAD_DIM)
         part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
         matrix = tl.load(key_outlier_rotation_ptr + pos[:, None] * KEY_OUTLIER_DIM + block[None, :])
         x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
@@ -2170,7 +2175,7 @@ def _query_parts_kernel(
     for first in range(0, KEY_PAD, KEY_BLOCK):
         block = first + tl.arange(0, KEY_BLOCK)  # columns of the part
         mask = real[:, None] & (block < KEY_DIM)[None, :]
-        column = tl.load(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask=mask, other=0)
+        column = _channel(key_channels_ptr + kv_head * HEAD_DIM + KEY_OFFSET + block[None, :], mask, HEAD_DIM)
         part = tl.load(query_ptr + row[:, None] * HEAD_DIM + column, mask=mask, other=0.0).to(tl.float32)
         matrix = tl.load(key_rotation_ptr + pos[:, None] * KEY_PAD + block[None, :])
         x = _mm(part, tl.trans(matrix), DOT_PRECISION, x)
@@ -2238,7 +2243,7 @@ def _merge_parts_kernel(
         matrix = tl.load(value_outlier_rotation_ptr + pos[:, None] * VALUE_OUTLIER_DIM + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
         inside = block < VALUE_OUTLIER_DIM
-        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + block, mask=inside, other=0)
+        column = _channel(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OUTLIER_OFFSET + block, inside, HEAD_DIM)
         tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
     # value
     pos = tl.arange(0, VALUE_PAD)
@@ -2250,7 +2255,7 @@ def _merge_parts_kernel(
         matrix = tl.load(value_rotation_ptr + pos[:, None] * VALUE_PAD + block[None, :])
         out = tl.sum(matrix * merged[:, None], axis=0)  # column j: sum over positions p of merged[p] * rotation[p, j]
         inside = block < VALUE_DIM
-        column = tl.load(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + block, mask=inside, other=0)
+        column = _channel(value_channels_ptr + kv_head * HEAD_DIM + VALUE_OFFSET + block, inside, HEAD_DIM)
         tl.store(out_ptr + q_row * HEAD_DIM + column, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 

@@ -141,13 +141,6 @@ _FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
 # an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 64
-# Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages, so that the next tile's rows
-# arrive while this one is rotated and quantized. Per head_dim: under a register cap, as many as an SM holds, so
-# that a large fill is one wave (`fill_programs` in templates/decode_tuning.json overrides the count); 8 elsewhere.
-_FILL_PROGRAMS_PER_SM = {}
-# Registers per thread of the looping fill, per head_dim where measured (templates/decode_tuning.json,
-# `fill_registers`): a cap that lets one more program reside per SM. Other head dims keep the compiler's count.
-_FILL_MAX_REGISTERS = {}
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
@@ -155,9 +148,6 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
-# Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
-# stages' copies of a QJL projection, loaded in the loop, would pass an SM's shared memory.
-_LOOP_STAGES = {256: 1}
 # flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
 _FLATTEN_PROGRAMS_PER_SM = 32
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -296,7 +286,6 @@ def _fill_kernel(
     stride_key_head,
     stride_value_token,
     stride_value_head,
-    tiles,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
@@ -307,8 +296,7 @@ def _fill_kernel(
     DOT_PRECISION: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
-    """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
-    pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
+    """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     # `share`: which of a KV head's programs this is, each with its own share of the tokens.
     if HEADS_FASTEST:  # axis 0 is (share, KV head), a share's KV heads side by side (see _heads_fastest)
         share = tl.program_id(0) // NUM_KV_HEADS
@@ -316,730 +304,702 @@ def _fill_kernel(
     else:
         share = tl.program_id(0)
         head = tl.program_id(1)
+    token = share * BLOCK_T + tl.arange(0, BLOCK_T)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
-    for i in range(tiles):
-        token = (share * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
-        slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-        # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
-        valid = (slot >= 0) & (slot < num_slots)
-        row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
+    valid = (slot >= 0) & (slot < num_slots)
+    row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
 
-        # key
-        key_input_0 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_1 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_2 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 2 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_3 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 3 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_4 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 4 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_5 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 5 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_6 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 6 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        key_input_7 = tl.load(
-            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 7 * KEY_CHUNK
-            + key_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
+    # key
+    key_input_0 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_1 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_2 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 2 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_3 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 3 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_4 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 4 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_5 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 5 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_6 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 6 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    key_input_7 = tl.load(
+        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 7 * KEY_CHUNK
+        + key_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
 
-        # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
-        parity = key_chunk[:, None] & key_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if key_ptr.dtype.element_ty == tl.float16:
-            # fp16 rows times +-1 are exact products as they stand: one dot.
-            x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
-            x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_2 = tl.dot(key_input_2 * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_3 = tl.dot(key_input_3 * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_4 = tl.dot(key_input_4 * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_5 = tl.dot(key_input_5 * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_6 = tl.dot(key_input_6 * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            x_7 = tl.dot(key_input_7 * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-            largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
-        else:
-            # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-            x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-            x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-            x_2 = key_input_2.to(tl.float32) * tl.load(
-                key_matrix_ptr + 2 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            x_3 = key_input_3.to(tl.float32) * tl.load(
-                key_matrix_ptr + 3 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            x_4 = key_input_4.to(tl.float32) * tl.load(
-                key_matrix_ptr + 4 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            x_5 = key_input_5.to(tl.float32) * tl.load(
-                key_matrix_ptr + 5 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            x_6 = key_input_6.to(tl.float32) * tl.load(
-                key_matrix_ptr + 6 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            x_7 = key_input_7.to(tl.float32) * tl.load(
-                key_matrix_ptr + 7 * KEY_CHUNK + key_chunk
-            ).to(tl.float32)[None, :]
-            largest = tl.maximum(
-                tl.max(tl.abs(x_0), axis=1),
+    # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+    parity = key_chunk[:, None] & key_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    if key_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times +-1 are exact products as they stand: one dot.
+        x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
+        x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_2 = tl.dot(key_input_2 * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_3 = tl.dot(key_input_3 * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_4 = tl.dot(key_input_4 * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_5 = tl.dot(key_input_5 * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_6 = tl.dot(key_input_6 * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        x_7 = tl.dot(key_input_7 * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+        x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+        x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_2 = key_input_2.to(tl.float32) * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_3 = key_input_3.to(tl.float32) * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_4 = key_input_4.to(tl.float32) * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_5 = key_input_5.to(tl.float32) * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_6 = key_input_6.to(tl.float32) * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        x_7 = key_input_7.to(tl.float32) * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+        largest = tl.maximum(
+            tl.max(tl.abs(x_0), axis=1),
+            tl.maximum(
+                tl.max(tl.abs(x_1), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
+                    tl.max(tl.abs(x_2), axis=1),
                     tl.maximum(
-                        tl.max(tl.abs(x_2), axis=1),
+                        tl.max(tl.abs(x_3), axis=1),
                         tl.maximum(
-                            tl.max(tl.abs(x_3), axis=1),
+                            tl.max(tl.abs(x_4), axis=1),
                             tl.maximum(
-                                tl.max(tl.abs(x_4), axis=1),
-                                tl.maximum(
-                                    tl.max(tl.abs(x_5), axis=1),
-                                    tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
-                                ),
+                                tl.max(tl.abs(x_5), axis=1),
+                                tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
                             ),
                         ),
                     ),
                 ),
-            )
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = x_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            x_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-            tile = x_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            x_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
-            tile = x_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            x_2 = tl.dot(lo_2, key_hadamard, tl.dot(hi_2, key_hadamard))
-            tile = x_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            x_3 = tl.dot(lo_3, key_hadamard, tl.dot(hi_3, key_hadamard))
-            tile = x_4 * spread[:, None]
-            hi_4 = tile.to(tl.float16)
-            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-            x_4 = tl.dot(lo_4, key_hadamard, tl.dot(hi_4, key_hadamard))
-            tile = x_5 * spread[:, None]
-            hi_5 = tile.to(tl.float16)
-            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-            x_5 = tl.dot(lo_5, key_hadamard, tl.dot(hi_5, key_hadamard))
-            tile = x_6 * spread[:, None]
-            hi_6 = tile.to(tl.float16)
-            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-            x_6 = tl.dot(lo_6, key_hadamard, tl.dot(hi_6, key_hadamard))
-            tile = x_7 * spread[:, None]
-            hi_7 = tile.to(tl.float16)
-            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-            x_7 = tl.dot(lo_7, key_hadamard, tl.dot(hi_7, key_hadamard))
-            largest = largest * (1.0 / HEAD_DIM ** 0.5)
-        twin = x_0 - x_1
-        x_0 = x_0 + x_1
-        x_1 = twin
-        twin = x_2 - x_3
-        x_2 = x_2 + x_3
-        x_3 = twin
-        twin = x_4 - x_5
-        x_4 = x_4 + x_5
-        x_5 = twin
-        twin = x_6 - x_7
-        x_6 = x_6 + x_7
-        x_7 = twin
-        twin = x_0 - x_2
-        x_0 = x_0 + x_2
-        x_2 = twin
-        twin = x_1 - x_3
-        x_1 = x_1 + x_3
-        x_3 = twin
-        twin = x_4 - x_6
-        x_4 = x_4 + x_6
-        x_6 = twin
-        twin = x_5 - x_7
-        x_5 = x_5 + x_7
-        x_7 = twin
-        twin = x_0 - x_4
-        x_0 = x_0 + x_4
-        x_4 = twin
-        twin = x_1 - x_5
-        x_1 = x_1 + x_5
-        x_5 = twin
-        twin = x_2 - x_6
-        x_2 = x_2 + x_6
-        x_6 = twin
-        twin = x_3 - x_7
-        x_3 = x_3 + x_7
-        x_7 = twin
+            ),
+        )
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = x_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
+        tile = x_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        x_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+        tile = x_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        x_2 = tl.dot(lo_2, key_hadamard, tl.dot(hi_2, key_hadamard))
+        tile = x_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        x_3 = tl.dot(lo_3, key_hadamard, tl.dot(hi_3, key_hadamard))
+        tile = x_4 * spread[:, None]
+        hi_4 = tile.to(tl.float16)
+        lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+        x_4 = tl.dot(lo_4, key_hadamard, tl.dot(hi_4, key_hadamard))
+        tile = x_5 * spread[:, None]
+        hi_5 = tile.to(tl.float16)
+        lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+        x_5 = tl.dot(lo_5, key_hadamard, tl.dot(hi_5, key_hadamard))
+        tile = x_6 * spread[:, None]
+        hi_6 = tile.to(tl.float16)
+        lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+        x_6 = tl.dot(lo_6, key_hadamard, tl.dot(hi_6, key_hadamard))
+        tile = x_7 * spread[:, None]
+        hi_7 = tile.to(tl.float16)
+        lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+        x_7 = tl.dot(lo_7, key_hadamard, tl.dot(hi_7, key_hadamard))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    twin = x_0 - x_1
+    x_0 = x_0 + x_1
+    x_1 = twin
+    twin = x_2 - x_3
+    x_2 = x_2 + x_3
+    x_3 = twin
+    twin = x_4 - x_5
+    x_4 = x_4 + x_5
+    x_5 = twin
+    twin = x_6 - x_7
+    x_6 = x_6 + x_7
+    x_7 = twin
+    twin = x_0 - x_2
+    x_0 = x_0 + x_2
+    x_2 = twin
+    twin = x_1 - x_3
+    x_1 = x_1 + x_3
+    x_3 = twin
+    twin = x_4 - x_6
+    x_4 = x_4 + x_6
+    x_6 = twin
+    twin = x_5 - x_7
+    x_5 = x_5 + x_7
+    x_7 = twin
+    twin = x_0 - x_4
+    x_0 = x_0 + x_4
+    x_4 = twin
+    twin = x_1 - x_5
+    x_1 = x_1 + x_5
+    x_5 = twin
+    twin = x_2 - x_6
+    x_2 = x_2 + x_6
+    x_6 = twin
+    twin = x_3 - x_7
+    x_3 = x_3 + x_7
+    x_7 = twin
 
-        x_0 = x_0 * largest[:, None]
-        x_1 = x_1 * largest[:, None]
-        x_2 = x_2 * largest[:, None]
-        x_3 = x_3 * largest[:, None]
-        x_4 = x_4 * largest[:, None]
-        x_5 = x_5 * largest[:, None]
-        x_6 = x_6 * largest[:, None]
-        x_7 = x_7 * largest[:, None]
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
+    x_2 = x_2 * largest[:, None]
+    x_3 = x_3 * largest[:, None]
+    x_4 = x_4 * largest[:, None]
+    x_5 = x_5 * largest[:, None]
+    x_6 = x_6 * largest[:, None]
+    x_7 = x_7 * largest[:, None]
 
-        norm = tl.sqrt(
-            tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1)
-            + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1)
-            + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
-        )
-        # A zero row stores norm 0 and reads back as zeros, never NaN.
-        inverse = 1.0 / tl.maximum(norm, 1e-30)
-        key_b2 = tl.load(key_boundaries_ptr + 2)
+    norm = tl.sqrt(
+        tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1)
+        + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
+    )
+    # A zero row stores norm 0 and reads back as zeros, never NaN.
+    inverse = 1.0 / tl.maximum(norm, 1e-30)
+    key_b2 = tl.load(key_boundaries_ptr + 2)
 
-        key_c2 = tl.load(key_centroids_ptr + 2)
-        key_c3 = tl.load(key_centroids_ptr + 3)
+    key_c2 = tl.load(key_centroids_ptr + 2)
+    key_c3 = tl.load(key_centroids_ptr + 3)
 
-        unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_0 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_0 = unit - centroid
-        unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_1 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_1 = unit - centroid
-        unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_2 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_2 = unit - centroid
-        unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_3 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_3 = unit - centroid
-        unit = x_4 * inverse[:, None]
-        if FAST_CELL:
-            code_4, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_4 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_4 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_4 = tl.where(upper, 2 + code_4, 1 - code_4)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_4 = unit - centroid
-        unit = x_5 * inverse[:, None]
-        if FAST_CELL:
-            code_5, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_5 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_5 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_5 = tl.where(upper, 2 + code_5, 1 - code_5)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_5 = unit - centroid
-        unit = x_6 * inverse[:, None]
-        if FAST_CELL:
-            code_6, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_6 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_6 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_6 = tl.where(upper, 2 + code_6, 1 - code_6)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_6 = unit - centroid
-        unit = x_7 * inverse[:, None]
-        if FAST_CELL:
-            code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_7 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c2, tl.float32)
-            beyond = magnitude > key_b2
-            code_7 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c3, centroid)
-            upper = unit > 0
-            code_7 = tl.where(upper, 2 + code_7, 1 - code_7)
-            centroid = tl.where(upper, centroid, -centroid)
-        residual_7 = unit - centroid
-        # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
-        # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
-        residual = _concat(
-            _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
-            _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
-        )
-        key_dim = tl.arange(0, HEAD_DIM)
-        qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
-        code_0 = code_0 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_1 = code_1 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_2 = code_2 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_3 = code_3 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_4 = code_4 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_5 = code_5 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_6 = code_6 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-        code_7 = code_7 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-        residual_norm = tl.sqrt(
-            tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
-            + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)
-            + tl.sum(residual_4 * residual_4, axis=1) + tl.sum(residual_5 * residual_5, axis=1)
-            + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
-        )
-        packed = (
-            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
-            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
-        )
-        tl.store(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
-        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
-        tl.store(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
-        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
-        tl.store(
-            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + KEY_CHUNK + key_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
+    unit = x_0 * inverse[:, None]
+    if FAST_CELL:
+        code_0, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_0 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_0 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_0 = unit - centroid
+    unit = x_1 * inverse[:, None]
+    if FAST_CELL:
+        code_1, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_1 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_1 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_1 = unit - centroid
+    unit = x_2 * inverse[:, None]
+    if FAST_CELL:
+        code_2, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_2 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_2 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_2 = unit - centroid
+    unit = x_3 * inverse[:, None]
+    if FAST_CELL:
+        code_3, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_3 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_3 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_3 = unit - centroid
+    unit = x_4 * inverse[:, None]
+    if FAST_CELL:
+        code_4, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_4 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_4 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_4 = tl.where(upper, 2 + code_4, 1 - code_4)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_4 = unit - centroid
+    unit = x_5 * inverse[:, None]
+    if FAST_CELL:
+        code_5, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_5 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_5 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_5 = tl.where(upper, 2 + code_5, 1 - code_5)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_5 = unit - centroid
+    unit = x_6 * inverse[:, None]
+    if FAST_CELL:
+        code_6, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_6 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_6 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_6 = tl.where(upper, 2 + code_6, 1 - code_6)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_6 = unit - centroid
+    unit = x_7 * inverse[:, None]
+    if FAST_CELL:
+        code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3)
+    else:
+        magnitude = tl.abs(unit)
+        code_7 = tl.zeros(unit.shape, tl.int32)
+        centroid = tl.full(unit.shape, key_c2, tl.float32)
+        beyond = magnitude > key_b2
+        code_7 += beyond.to(tl.int32)
+        centroid = tl.where(beyond, key_c3, centroid)
+        upper = unit > 0
+        code_7 = tl.where(upper, 2 + code_7, 1 - code_7)
+        centroid = tl.where(upper, centroid, -centroid)
+    residual_7 = unit - centroid
+    # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
+    # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
+    residual = _concat(
+        _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
+        _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
+    )
+    key_dim = tl.arange(0, HEAD_DIM)
+    qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
+    code_0 = code_0 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_1 = code_1 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_2 = code_2 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_3 = code_3 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_4 = code_4 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_5 = code_5 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_6 = code_6 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_7 = code_7 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
+    residual_norm = tl.sqrt(
+        tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
+        + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)
+        + tl.sum(residual_4 * residual_4, axis=1) + tl.sum(residual_5 * residual_5, axis=1)
+        + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
+    )
+    packed = (
+        code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4 | (code_5 & 1) << 5
+        | (code_6 & 1) << 6 | (code_7 & 1) << 7
+    )
+    tl.store(
+        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
+    packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+    tl.store(
+        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
+    packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+    tl.store(
+        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + KEY_CHUNK + key_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
 
-        tl.store(key_meta_ptr + row * 2, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
-        tl.store(key_meta_ptr + row * 2 + 1, residual_norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
+    tl.store(key_meta_ptr + row * 2, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
+    tl.store(key_meta_ptr + row * 2 + 1, residual_norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-        # value
-        value_input_0 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_1 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_2 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_3 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_4 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_5 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_6 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        value_input_7 = tl.load(
-            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK
-            + value_chunk[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
+    # value
+    value_input_0 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_1 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_2 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_3 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_4 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_5 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_6 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    value_input_7 = tl.load(
+        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK
+        + value_chunk[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
 
-        # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
-        parity = value_chunk[:, None] & value_chunk[None, :]
-        parity = parity ^ (parity >> 4)
-        parity = parity ^ (parity >> 2)
-        parity = parity ^ (parity >> 1)
-        value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-        if value_ptr.dtype.element_ty == tl.float16:
-            # fp16 rows times +-1 are exact products as they stand: one dot.
-            x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
-            x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-            x_2 = tl.dot(
-                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            x_3 = tl.dot(
-                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            x_4 = tl.dot(
-                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            x_5 = tl.dot(
-                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            x_6 = tl.dot(
-                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            x_7 = tl.dot(
-                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
-            )
-            largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
-        else:
-            # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-            x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-            x_1 = value_input_1.to(tl.float32) * tl.load(
-                value_matrix_ptr + VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_2 = value_input_2.to(tl.float32) * tl.load(
-                value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_3 = value_input_3.to(tl.float32) * tl.load(
-                value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_4 = value_input_4.to(tl.float32) * tl.load(
-                value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_5 = value_input_5.to(tl.float32) * tl.load(
-                value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_6 = value_input_6.to(tl.float32) * tl.load(
-                value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            x_7 = value_input_7.to(tl.float32) * tl.load(
-                value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk
-            ).to(tl.float32)[None, :]
-            largest = tl.maximum(
-                tl.max(tl.abs(x_0), axis=1),
+    # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+    parity = value_chunk[:, None] & value_chunk[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+    if value_ptr.dtype.element_ty == tl.float16:
+        # fp16 rows times +-1 are exact products as they stand: one dot.
+        x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
+        x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_2 = tl.dot(value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_3 = tl.dot(value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_4 = tl.dot(value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_5 = tl.dot(value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_6 = tl.dot(value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        x_7 = tl.dot(value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+    else:
+        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+        x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+        x_1 = value_input_1.to(tl.float32) * tl.load(
+            value_matrix_ptr + VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_2 = value_input_2.to(tl.float32) * tl.load(
+            value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_3 = value_input_3.to(tl.float32) * tl.load(
+            value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_4 = value_input_4.to(tl.float32) * tl.load(
+            value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_5 = value_input_5.to(tl.float32) * tl.load(
+            value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_6 = value_input_6.to(tl.float32) * tl.load(
+            value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        x_7 = value_input_7.to(tl.float32) * tl.load(
+            value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk
+        ).to(tl.float32)[None, :]
+        largest = tl.maximum(
+            tl.max(tl.abs(x_0), axis=1),
+            tl.maximum(
+                tl.max(tl.abs(x_1), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_1), axis=1),
+                    tl.max(tl.abs(x_2), axis=1),
                     tl.maximum(
-                        tl.max(tl.abs(x_2), axis=1),
+                        tl.max(tl.abs(x_3), axis=1),
                         tl.maximum(
-                            tl.max(tl.abs(x_3), axis=1),
+                            tl.max(tl.abs(x_4), axis=1),
                             tl.maximum(
-                                tl.max(tl.abs(x_4), axis=1),
-                                tl.maximum(
-                                    tl.max(tl.abs(x_5), axis=1),
-                                    tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
-                                ),
+                                tl.max(tl.abs(x_5), axis=1),
+                                tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
                             ),
                         ),
                     ),
                 ),
-            )
-            spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = x_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            x_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-            tile = x_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            x_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-            tile = x_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            x_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-            tile = x_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            x_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-            tile = x_4 * spread[:, None]
-            hi_4 = tile.to(tl.float16)
-            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-            x_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
-            tile = x_5 * spread[:, None]
-            hi_5 = tile.to(tl.float16)
-            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-            x_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
-            tile = x_6 * spread[:, None]
-            hi_6 = tile.to(tl.float16)
-            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-            x_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
-            tile = x_7 * spread[:, None]
-            hi_7 = tile.to(tl.float16)
-            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-            x_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
-            largest = largest * (1.0 / HEAD_DIM ** 0.5)
-        twin = x_0 - x_1
-        x_0 = x_0 + x_1
-        x_1 = twin
-        twin = x_2 - x_3
-        x_2 = x_2 + x_3
-        x_3 = twin
-        twin = x_4 - x_5
-        x_4 = x_4 + x_5
-        x_5 = twin
-        twin = x_6 - x_7
-        x_6 = x_6 + x_7
-        x_7 = twin
-        twin = x_0 - x_2
-        x_0 = x_0 + x_2
-        x_2 = twin
-        twin = x_1 - x_3
-        x_1 = x_1 + x_3
-        x_3 = twin
-        twin = x_4 - x_6
-        x_4 = x_4 + x_6
-        x_6 = twin
-        twin = x_5 - x_7
-        x_5 = x_5 + x_7
-        x_7 = twin
-        twin = x_0 - x_4
-        x_0 = x_0 + x_4
-        x_4 = twin
-        twin = x_1 - x_5
-        x_1 = x_1 + x_5
-        x_5 = twin
-        twin = x_2 - x_6
-        x_2 = x_2 + x_6
-        x_6 = twin
-        twin = x_3 - x_7
-        x_3 = x_3 + x_7
-        x_7 = twin
+            ),
+        )
+        spread = 1.0 / tl.maximum(largest, 1e-30)
+        tile = x_0 * spread[:, None]
+        hi_0 = tile.to(tl.float16)
+        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        x_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
+        tile = x_1 * spread[:, None]
+        hi_1 = tile.to(tl.float16)
+        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        x_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
+        tile = x_2 * spread[:, None]
+        hi_2 = tile.to(tl.float16)
+        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        x_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
+        tile = x_3 * spread[:, None]
+        hi_3 = tile.to(tl.float16)
+        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        x_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
+        tile = x_4 * spread[:, None]
+        hi_4 = tile.to(tl.float16)
+        lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
+        x_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
+        tile = x_5 * spread[:, None]
+        hi_5 = tile.to(tl.float16)
+        lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
+        x_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
+        tile = x_6 * spread[:, None]
+        hi_6 = tile.to(tl.float16)
+        lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
+        x_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
+        tile = x_7 * spread[:, None]
+        hi_7 = tile.to(tl.float16)
+        lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
+        x_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+        largest = largest * (1.0 / HEAD_DIM ** 0.5)
+    twin = x_0 - x_1
+    x_0 = x_0 + x_1
+    x_1 = twin
+    twin = x_2 - x_3
+    x_2 = x_2 + x_3
+    x_3 = twin
+    twin = x_4 - x_5
+    x_4 = x_4 + x_5
+    x_5 = twin
+    twin = x_6 - x_7
+    x_6 = x_6 + x_7
+    x_7 = twin
+    twin = x_0 - x_2
+    x_0 = x_0 + x_2
+    x_2 = twin
+    twin = x_1 - x_3
+    x_1 = x_1 + x_3
+    x_3 = twin
+    twin = x_4 - x_6
+    x_4 = x_4 + x_6
+    x_6 = twin
+    twin = x_5 - x_7
+    x_5 = x_5 + x_7
+    x_7 = twin
+    twin = x_0 - x_4
+    x_0 = x_0 + x_4
+    x_4 = twin
+    twin = x_1 - x_5
+    x_1 = x_1 + x_5
+    x_5 = twin
+    twin = x_2 - x_6
+    x_2 = x_2 + x_6
+    x_6 = twin
+    twin = x_3 - x_7
+    x_3 = x_3 + x_7
+    x_7 = twin
 
-        x_0 = x_0 * largest[:, None]
-        x_1 = x_1 * largest[:, None]
-        x_2 = x_2 * largest[:, None]
-        x_3 = x_3 * largest[:, None]
-        x_4 = x_4 * largest[:, None]
-        x_5 = x_5 * largest[:, None]
-        x_6 = x_6 * largest[:, None]
-        x_7 = x_7 * largest[:, None]
+    x_0 = x_0 * largest[:, None]
+    x_1 = x_1 * largest[:, None]
+    x_2 = x_2 * largest[:, None]
+    x_3 = x_3 * largest[:, None]
+    x_4 = x_4 * largest[:, None]
+    x_5 = x_5 * largest[:, None]
+    x_6 = x_6 * largest[:, None]
+    x_7 = x_7 * largest[:, None]
 
-        norm = tl.sqrt(
-            tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1)
-            + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1)
-            + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
-        )
-        # A zero row stores norm 0 and reads back as zeros, never NaN.
-        inverse = 1.0 / tl.maximum(norm, 1e-30)
-        value_b4 = tl.load(value_boundaries_ptr + 4)
-        value_b5 = tl.load(value_boundaries_ptr + 5)
-        value_b6 = tl.load(value_boundaries_ptr + 6)
+    norm = tl.sqrt(
+        tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1)
+        + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
+    )
+    # A zero row stores norm 0 and reads back as zeros, never NaN.
+    inverse = 1.0 / tl.maximum(norm, 1e-30)
+    value_b4 = tl.load(value_boundaries_ptr + 4)
+    value_b5 = tl.load(value_boundaries_ptr + 5)
+    value_b6 = tl.load(value_boundaries_ptr + 6)
 
-        unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
-        unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
-        unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_2 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_2 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_2 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
-        unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_3 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_3 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_3 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
-        unit = x_4 * inverse[:, None]
-        if FAST_CELL:
-            code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_4 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_4 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_4 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_4 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
-        unit = x_5 * inverse[:, None]
-        if FAST_CELL:
-            code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_5 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_5 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_5 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_5 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
-        unit = x_6 * inverse[:, None]
-        if FAST_CELL:
-            code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_6 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_6 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_6 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_6 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
-        unit = x_7 * inverse[:, None]
-        if FAST_CELL:
-            code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_7 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_7 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_7 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_7 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
-        packed = (
-            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
-            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
-        )
-        tl.store(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
-        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
-        tl.store(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
-        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
-        tl.store(
-            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + VALUE_CHUNK + value_chunk[None, :],
-            packed.to(tl.uint8),
-            mask=valid[:, None],
-        )
+    unit = x_0 * inverse[:, None]
+    if FAST_CELL:
+        code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_0 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_0 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_0 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_0 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
+    unit = x_1 * inverse[:, None]
+    if FAST_CELL:
+        code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_1 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_1 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_1 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_1 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
+    unit = x_2 * inverse[:, None]
+    if FAST_CELL:
+        code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_2 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_2 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_2 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_2 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
+    unit = x_3 * inverse[:, None]
+    if FAST_CELL:
+        code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_3 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_3 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_3 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_3 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
+    unit = x_4 * inverse[:, None]
+    if FAST_CELL:
+        code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_4 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_4 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_4 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_4 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
+    unit = x_5 * inverse[:, None]
+    if FAST_CELL:
+        code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_5 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_5 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_5 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_5 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
+    unit = x_6 * inverse[:, None]
+    if FAST_CELL:
+        code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_6 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_6 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_6 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_6 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
+    unit = x_7 * inverse[:, None]
+    if FAST_CELL:
+        code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
+    else:
+        magnitude = tl.abs(unit)
+        code_7 = tl.zeros(unit.shape, tl.int32)
+        beyond = magnitude > value_b4
+        code_7 += beyond.to(tl.int32)
+        beyond = magnitude > value_b5
+        code_7 += beyond.to(tl.int32)
+        beyond = magnitude > value_b6
+        code_7 += beyond.to(tl.int32)
+        upper = unit > 0
+        code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
+    packed = (
+        code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4 | (code_5 & 1) << 5
+        | (code_6 & 1) << 6 | (code_7 & 1) << 7
+    )
+    tl.store(
+        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
+    packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+    tl.store(
+        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
+    packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+    tl.store(
+        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + VALUE_CHUNK + value_chunk[None, :],
+        packed.to(tl.uint8),
+        mask=valid[:, None],
+    )
 
-        tl.store(value_meta_ptr + row, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
+    tl.store(value_meta_ptr + row, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -2871,12 +2831,7 @@ def fill(
     if num_tokens == 0:
         return
     tables = _tables(cache.head_dim, cache.device)
-    # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
-    num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
-    per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
-    tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
-    shares = _cdiv(num_tiles, tiles)  # a KV head's programs
-    stages = _LOOP_STAGES.get(cache.head_dim, 3)
+    shares = _cdiv(num_tokens, _FILL_BLOCK_T)  # a KV head's programs
     heads_fastest = _heads_fastest(cache)
     grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(
@@ -2901,7 +2856,6 @@ def fill(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -2910,10 +2864,6 @@ def fill(
         BLOCK_T=_FILL_BLOCK_T,
         DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
-        # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
-        # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES says.
-        **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
-           else {"num_stages": stages}),
     )
 
 

@@ -3,6 +3,8 @@
 import json
 
 from kvqc.compiler import codegen
+from kvqc.compiler.spec import load_scheme
+from kvqc.modules import SCHEMES
 from kvqc.tools import tune
 
 
@@ -154,6 +156,25 @@ def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
     assert json.loads(path.read_text(encoding="utf-8"))["fill_registers"] == {"some_scheme": {"128": 144}}
 
 
+def test_fill_warps_and_stages_render_per_scheme_and_survive_a_sweep(tmp_path, monkeypatch):
+    """fill_warps and fill_stages belong to the scheme and head_dim they were measured at; a module's pipeline
+    stages are its Layout's (dense matrices) with the table's over them."""
+    path = tmp_path / "decode_tuning.json"
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
+    table["fill_warps"] = {"turbo_k4v2": {"256": 8}}
+    table["fill_stages"] = {"turbo_k4v2": {"256": 1}}
+    path.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    assert codegen.decode_tuning("turbo_k4v2")["fill_warps"] == "{256: 8}"
+    assert codegen.decode_tuning("turbo_eden_k4v2")["fill_warps"] == "{}"
+    source = codegen.render(load_scheme(SCHEMES / "turbo_k4v2.yaml"))
+    assert "\n_LOOP_STAGES = {256: 1}\n" in source and "\n_FILL_WARPS = {256: 8}\n" in source
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
+                     {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    assert kept["fill_warps"] == {"turbo_k4v2": {"256": 8}} and kept["fill_stages"] == {"turbo_k4v2": {"256": 1}}
+
+
 def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_path, monkeypatch):
     """As many looping fill programs per SM as fit under the cap (one wave), the table's count where it names one,
     per head_dim; the module takes 8 at head dims without either. A sweep keeps the table's counts."""
@@ -199,14 +220,16 @@ def test_looping_fill_launches_with_the_register_cap(monkeypatch):
     # 2 programs: 4 tiles make 2 a program.
     assert looping["tiles"] == 2 and looping["maxnreg"] == m._FILL_MAX_REGISTERS[128] and looping["num_stages"] == 2
     assert single["tiles"] == 1 and "maxnreg" not in single and single["num_stages"] == 3  # Triton's own
+    assert looping["num_warps"] == single["num_warps"] == 4
 
 
 def test_looping_fill_is_uncapped_where_no_cap_was_measured(monkeypatch):
     """The cap belongs to the head_dim it was measured at: a wider head needs more registers (turbo_k4v2's fill at
     head_dim 256 does not compile under 168), so a fill there launches with the compiler's count."""
-    m, (looping, _) = _looping_fill(256, monkeypatch)
+    m, (looping, single) = _looping_fill(256, monkeypatch)
     assert 256 not in m._FILL_MAX_REGISTERS
     assert looping["tiles"] == 2 and looping["maxnreg"] is None and looping["num_stages"] == 2
+    assert looping["num_warps"] == single["num_warps"] == m._FILL_WARPS[256] == 8  # fill_warps, measured there
 
 
 def test_best_replaces_a_default_that_fails():

@@ -114,8 +114,9 @@ DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
 def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
-    """The decode launch table for one scheme, and its fill's register cap, as the module template renders them
-    (see `kvqc tune`). Head dims of 64 or less that the table does not name take `default_small_heads`."""
+    """The decode launch table for one scheme, and its looping fill's register cap, programs and warps, as the module
+    template renders them (see `kvqc tune`). Head dims of 64 or less that the table does not name take
+    `default_small_heads`."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
@@ -138,9 +139,12 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     fill_registers = {int(d): int(n) for d, n in table.get("fill_registers", {}).get(name, {}).items()}
     fill_programs = {d: 65536 // (n * 128) for d, n in fill_registers.items()}
     fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
+    fill_warps = {int(d): int(n) for d, n in table.get("fill_warps", {}).get(name, {}).items()}
+    fill_stages = {int(d): int(n) for d, n in table.get("fill_stages", {}).get(name, {}).items()}
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
             "rotate_in_decode": not rotate_apart, "fill_registers": repr(dict(sorted(fill_registers.items()))),
-            "fill_programs": repr(dict(sorted(fill_programs.items())))}
+            "fill_programs": repr(dict(sorted(fill_programs.items()))),
+            "fill_warps": repr(dict(sorted(fill_warps.items()))), "fill_stages": fill_stages}
 
 
 def origin(scheme: Scheme) -> str | None:
@@ -165,6 +169,7 @@ def recorded_origin(module_source: str) -> str | None:
 
 def render(scheme: Scheme) -> str:
     layout: Layout = plan(scheme)
+    tuning = decode_tuning(scheme.name, scheme.head_dims)
     data = scheme.to_dict()
     data.pop("description")  # free text stays out of generated source
     source = _environment().get_template("module.py.j2").render(
@@ -177,7 +182,8 @@ def render(scheme: Scheme) -> str:
         example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
-        tuning=decode_tuning(scheme.name, scheme.head_dims),
+        tuning=tuning,
+        loop_stages=repr(dict(sorted({**layout.loop_stages, **tuning["fill_stages"]}.items()))),
         runtime=runtime_source,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)

@@ -1374,8 +1374,10 @@ class Layout:
     def fill_loops(self) -> bool:
         """Fill programs loop over several token tiles, so Triton prefetches the next tile's rows while this one is
         rotated and quantized: where some side rotates in Hadamard blocks. The elementwise fills and the dense
-        matrix ones keep one tile a program, which is as fast for them."""
-        return any(side.hadamard_blocks for side in self.sides)
+        matrix ones keep one tile a program, which is as fast for them. A QJL residual's projection does not loop
+        either: pipelining its tiles takes a 4-warp program's shared memory (115.7 KiB at head_dim 128, one program
+        an SM), one tile a program 16.9 KiB."""
+        return any(side.hadamard_blocks for side in self.sides) and not any(side.qjl for side in self.sides)
 
     @property
     def rotates_query(self) -> bool:
@@ -1407,14 +1409,14 @@ class Layout:
         """Pipeline stages of fill's tile loop, per head_dim where Triton's own (3, or a looping fill's 2) would not
         fit (flatten's takes one stage): the pipeliner gives every stage past the first a copy of each load in the
         loop, and the matrices are loaded there a block at a time, though they are the same on every tile. A dense
-        rotation is fp16 (+-1 entries), a QJL projection float32, each as wide as the part's positions: at head_dim
-        256 one projection is 256 KiB a copy."""
+        rotation is fp16 (+-1 entries), as wide as the part's positions. (A QJL side's fill does not loop.) Where
+        the tiles themselves pass an SM, `fill_stages` in templates/decode_tuning.json says so per scheme."""
         stages = {}
         for d in self.head_dims if self.fill_loops else ():
             copy = 0
             for part in self.sides:
                 width = 1 << (part.part_dim(d) - 1).bit_length()
-                copy += (2 * part.dense_matrix + 4 * part.qjl) * width * width
+                copy += 2 * part.dense_matrix * width * width
             fit = 1 + self.PIPELINE_SHARED // copy if copy else 3
             if fit < 3:
                 stages[d] = fit

@@ -7,7 +7,8 @@ memory"), on the GPU only: the interpreter that checks kernels on CPU has no suc
 Two steps, each in a process of its own, because Triton reads TRITON_INTERPRET once, when it is imported:
   1. record: fill, decode and flatten run a small cache under the interpreter (TRITON_INTERPRET=1), head-major or
      token-major blocks; every kernel launch is recorded with its argument types, constexprs and launch options,
-     the settings the module's own wrappers choose for that head_dim and layout (whose grids and strides differ).
+     the settings the module's own wrappers choose for that head_dim and layout (whose grids and strides differ);
+     fill also as a long prefill launches it, for fp16, bf16 and fp32 inputs.
   2. compile: each recorded launch is compiled for sm_90 (triton.compile with a CUDA target, no device needed) with
      what differs on compiled CUDA: fp16 dots and the PTX unpack paths (FAST_UNPACK, FAST_CELL), tf32x3 products,
      and pointers and strides aligned to 16 as Triton specializes them on a GPU.
@@ -142,6 +143,19 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
     tokens_at = {"positions": torch.arange(tokens).repeat(batch),
                  "window_index": torch.arange(batch).repeat_interleave(tokens)} if window else {}
     kv.fill(cache, key, value, slot_mapping, **tokens_at)
+    # A long prefill's fill too: programs that loop over several tiles (where the module's fill loops) with the
+    # launch options its wrapper gives them, for every input dtype a model hands it (bf16 and fp32 rows are split
+    # into fp16 halves, which takes more shared memory). Those launches are labelled `kernel[loop,bf16]` and so on.
+    target = kv._target_programs
+    kv._target_programs = lambda device, per_sm: 1
+    loops = hasattr(kv, "_FILL_PROGRAMS_PER_SM")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32)[0 if loops else 1:]:
+        first = len(launches)
+        kv.fill(cache, key.to(dtype), value.to(dtype), slot_mapping, **tokens_at)
+        tags = ",".join(["loop"] * loops + [TYPES[str(dtype).removeprefix("torch.")]])
+        for launch in launches[first:]:
+            launch["label"] = f"{launch['kernel']}[{tags}]"
+    kv._target_programs = target
     kv.decode(torch.randn(batch, q_heads, head_dim, dtype=torch.float16), cache, block_tables, seq_lens, **rows)
     kv.flatten(cache, block_tables, seq_lens, **rows)
     return launches
@@ -164,6 +178,7 @@ def compile_launch(module, launch: dict) -> dict:
     from triton.compiler import ASTSource
 
     kernel = getattr(module, launch["kernel"])
+    label = launch.get("label", launch["kernel"])
     constexprs = {p.name for p in kernel.params if p.is_constexpr}
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -187,9 +202,9 @@ def compile_launch(module, launch: dict) -> dict:
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as exc:  # a kernel that does not compile is a finding, reported like the others
-        return {"kernel": launch["kernel"], "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
+        return {"kernel": label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
     registers, stack = _usage(compiled.asm["cubin"])
-    return {"kernel": launch["kernel"], "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
+    return {"kernel": label, "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
             "options": launch["options"]}
 
 

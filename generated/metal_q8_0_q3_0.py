@@ -153,9 +153,11 @@ _SPLIT_CHUNK_MAX = 2048
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 # Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
-# stages' copies of a dense rotation, or of the tiles (`fill_stages` in templates/decode_tuning.json), would pass an
-# SM's shared memory.
-_LOOP_STAGES = {256: 1}
+# stages' copies of a dense rotation, loaded in the loop, would pass an SM's shared memory.
+_LOOP_STAGES = {}
+# The same for bf16 and fp32 inputs, whose rows the loop splits into fp16 halves: where their stages' tiles would
+# pass an SM's shared memory (templates/decode_tuning.json, `fill_stages_split_inputs`).
+_SPLIT_INPUT_STAGES = {256: 1}
 # flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
 _FLATTEN_PROGRAMS_PER_SM = 32
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -2232,6 +2234,8 @@ def fill(
     tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
     shares = _cdiv(num_tiles, tiles)  # a KV head's programs
     stages = _LOOP_STAGES.get(cache.head_dim, 3)
+    if key.dtype != torch.float16:
+        stages = min(stages, _SPLIT_INPUT_STAGES.get(cache.head_dim, stages))
     heads_fastest = _heads_fastest(cache)
     grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(

@@ -33,7 +33,7 @@ def launches_at_256(scheme: str) -> tuple:
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "metal_q8_0_q3_0"])
 def test_kernels_fit_an_sm_at_head_dim_256(scheme):
     # The first two load d x d matrices in fill and flatten; metal_q8_0_q3_0's looping fill holds the widest tiles,
-    # whose pipeline copies pass an SM at two stages for bf16 and fp32 inputs (fill_stages gives it one).
+    # whose pipeline copies pass an SM at two stages for bf16 and fp32 inputs (fill_stages_split_inputs: one).
     rows = resources.measure(scheme, 256, launches=list(launches_at_256(scheme)))
     fills = {"_fill_kernel", "_fill_kernel[bf16]", "_fill_kernel[fp32]"}
     if scheme == "metal_q8_0_q3_0":

@@ -157,22 +157,22 @@ def test_fill_register_caps_render_and_survive_a_sweep(tmp_path, monkeypatch):
 
 
 def test_fill_warps_and_stages_render_per_scheme_and_survive_a_sweep(tmp_path, monkeypatch):
-    """fill_warps and fill_stages belong to the scheme and head_dim they were measured at; a module's pipeline
-    stages are its Layout's (dense matrices) with the table's over them."""
+    """fill_warps and fill_stages_split_inputs belong to the scheme and head_dim they were measured at."""
     path = tmp_path / "decode_tuning.json"
     table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
     table["fill_warps"] = {"turbo_k4v2": {"256": 8}}
-    table["fill_stages"] = {"turbo_k4v2": {"256": 1}}
+    table["fill_stages_split_inputs"] = {"turbo_k4v2": {"256": 1}}
     path.write_text(json.dumps(table), encoding="utf-8")
     monkeypatch.setattr(codegen, "DECODE_TUNING", path)
     assert codegen.decode_tuning("turbo_k4v2")["fill_warps"] == "{256: 8}"
     assert codegen.decode_tuning("turbo_eden_k4v2")["fill_warps"] == "{}"
     source = codegen.render(load_scheme(SCHEMES / "turbo_k4v2.yaml"))
-    assert "\n_LOOP_STAGES = {256: 1}\n" in source and "\n_FILL_WARPS = {256: 8}\n" in source
+    assert "\n_SPLIT_INPUT_STAGES = {256: 1}\n" in source and "\n_FILL_WARPS = {256: 8}\n" in source
     tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
                      {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
     kept = json.loads(path.read_text(encoding="utf-8"))
-    assert kept["fill_warps"] == {"turbo_k4v2": {"256": 8}} and kept["fill_stages"] == {"turbo_k4v2": {"256": 1}}
+    assert kept["fill_warps"] == {"turbo_k4v2": {"256": 8}}
+    assert kept["fill_stages_split_inputs"] == {"turbo_k4v2": {"256": 1}}
 
 
 def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_path, monkeypatch):

@@ -140,11 +140,12 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     fill_programs = {d: 65536 // (n * 128) for d, n in fill_registers.items()}
     fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
     fill_warps = {int(d): int(n) for d, n in table.get("fill_warps", {}).get(name, {}).items()}
-    fill_stages = {int(d): int(n) for d, n in table.get("fill_stages", {}).get(name, {}).items()}
+    split_stages = {int(d): int(n) for d, n in table.get("fill_stages_split_inputs", {}).get(name, {}).items()}
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
             "rotate_in_decode": not rotate_apart, "fill_registers": repr(dict(sorted(fill_registers.items()))),
             "fill_programs": repr(dict(sorted(fill_programs.items()))),
-            "fill_warps": repr(dict(sorted(fill_warps.items()))), "fill_stages": fill_stages}
+            "fill_warps": repr(dict(sorted(fill_warps.items()))),
+            "split_input_stages": repr(dict(sorted(split_stages.items())))}
 
 
 def origin(scheme: Scheme) -> str | None:
@@ -183,7 +184,6 @@ def render(scheme: Scheme) -> str:
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
         tuning=tuning,
-        loop_stages=repr(dict(sorted({**layout.loop_stages, **tuning["fill_stages"]}.items()))),
         runtime=runtime_source,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)

@@ -1409,8 +1409,9 @@ class Layout:
         """Pipeline stages of fill's tile loop, per head_dim where Triton's own (3, or a looping fill's 2) would not
         fit (flatten's takes one stage): the pipeliner gives every stage past the first a copy of each load in the
         loop, and the matrices are loaded there a block at a time, though they are the same on every tile. A dense
-        rotation is fp16 (+-1 entries), as wide as the part's positions. (A QJL side's fill does not loop.) Where
-        the tiles themselves pass an SM, `fill_stages` in templates/decode_tuning.json says so per scheme."""
+        rotation is fp16 (+-1 entries), as wide as the part's positions (a QJL side's fill does not loop). Where
+        the tiles of bf16 and fp32 inputs pass an SM, `fill_stages_split_inputs` in templates/decode_tuning.json says
+        so per scheme."""
         stages = {}
         for d in self.head_dims if self.fill_loops else ():
             copy = 0

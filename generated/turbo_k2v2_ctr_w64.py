@@ -2256,7 +2256,7 @@ def fill(
     tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
     shares = _cdiv(num_tiles, tiles)  # a KV head's programs
     stages = _LOOP_STAGES.get(cache.head_dim, 3)
-    if key.dtype != torch.float16:
+    if key.dtype != torch.float16 or value.dtype != torch.float16:  # rows split into fp16 halves, either side's
         stages = min(stages, _SPLIT_INPUT_STAGES.get(cache.head_dim, stages))
     heads_fastest = _heads_fastest(cache)
     grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
@@ -2292,7 +2292,8 @@ def fill(
         DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
         # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
-        # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES says.
+        # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES or, for bf16 and fp32
+        # inputs, _SPLIT_INPUT_STAGES say; the warps _FILL_WARPS gives (measured on the loop) for both.
         **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
            else {"num_stages": stages}),
         num_warps=_FILL_WARPS.get(cache.head_dim, 4),

@@ -14,10 +14,10 @@ from kvqc.tools import resources
 
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "turbo_k4v2", "int8_token"])
-def test_tile_loops_lose_stages_only_where_their_matrices_pass_an_sm(scheme):
-    # A dense rotation would be copied by every stage past the first of a looping fill. Hadamard blocks load no
-    # matrix; turbo_outlier_2p5's and turbo_qjl_k3v3's fills take a tile a program (no loop), int8_token's too, and
-    # flatten always runs one stage.
+def test_only_hadamard_block_fills_loop_and_none_loads_a_matrix_in_its_loop(scheme):
+    # A dense rotation would be copied by every stage past the first of a looping fill (Layout.loop_stages); no
+    # shipped fill loops over one. Hadamard blocks load no matrix; turbo_outlier_2p5's and turbo_qjl_k3v3's fills
+    # take a tile a program (no loop), int8_token's too, and flatten always runs one stage.
     layout = plan(load_scheme(SCHEMES / f"{scheme}.yaml"))
     assert layout.fill_loops == (scheme == "turbo_k4v2")
     assert layout.loop_stages == {}

@@ -114,9 +114,9 @@ DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
 def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
-    """The decode launch table for one scheme, and its looping fill's register cap, programs and warps, as the module
-    template renders them (see `kvqc tune`). Head dims of 64 or less that the table does not name take
-    `default_small_heads`."""
+    """The decode launch table for one scheme, and its looping fill's register cap, programs, warps and stages for
+    bf16 and fp32 inputs, as the module template renders them (see `kvqc tune`). Head dims of 64 or less that the
+    table does not name take `default_small_heads`."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
@@ -135,11 +135,12 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     rotate_apart = name in table.get("rotate_query_apart", [])
     # The looping fill's register cap and programs per SM, per head_dim where measured: a cap that helps at one
     # head_dim can fail to compile at a wider one. Programs per SM: the table's, else as many as fit under the cap
-    # (65536 registers over 4 warps of 32 threads: one wave for a large fill); other head dims take 8, uncapped.
+    # (65536 registers over the program's warps of 32 threads: one wave for a large fill); other head dims take 8,
+    # uncapped.
     fill_registers = {int(d): int(n) for d, n in table.get("fill_registers", {}).get(name, {}).items()}
-    fill_programs = {d: 65536 // (n * 128) for d, n in fill_registers.items()}
-    fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
     fill_warps = {int(d): int(n) for d, n in table.get("fill_warps", {}).get(name, {}).items()}
+    fill_programs = {d: 65536 // (n * 32 * fill_warps.get(d, 4)) for d, n in fill_registers.items()}
+    fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
     split_stages = {int(d): int(n) for d, n in table.get("fill_stages_split_inputs", {}).get(name, {}).items()}
     return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
             "rotate_in_decode": not rotate_apart, "fill_registers": repr(dict(sorted(fill_registers.items()))),

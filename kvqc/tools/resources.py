@@ -53,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
         for head_dim in args.head_dim or _head_dims(scheme):
             for layout in dict.fromkeys(args.layout):
                 rows += measure(scheme, head_dim, layout=layout)
-    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'kernel':<24} {'shared':>8} {'of sm_90':>8} {'regs':>5} "
+    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'kernel':<32} {'shared':>8} {'of sm_90':>8} {'regs':>5} "
           f"{'stack':>6}")
     for row in rows:
-        where = f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<24}"
+        where = f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<32}"
         if "error" in row:
             print(f"{where} error: {row['error']}")
             continue
@@ -149,13 +149,16 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
     target = kv._target_programs
     kv._target_programs = lambda device, per_sm: 1
     loops = hasattr(kv, "_FILL_PROGRAMS_PER_SM")
-    for dtype in (torch.float16, torch.bfloat16, torch.float32)[0 if loops else 1:]:
-        first = len(launches)
-        kv.fill(cache, key.to(dtype), value.to(dtype), slot_mapping, **tokens_at)
-        tags = ",".join(["loop"] * loops + [TYPES[str(dtype).removeprefix("torch.")]])
-        for launch in launches[first:]:
-            launch["label"] = f"{launch['kernel']}[{tags}]"
-    kv._target_programs = target
+    try:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32)[0 if loops else 1:]:
+            first = len(launches)
+            kv.fill(cache, key.to(dtype), value.to(dtype), slot_mapping, **tokens_at)
+            short = TYPES[str(dtype).removeprefix("torch.")]
+            for launch in launches[first:]:
+                looped = loops and launch["kernel"] == "_fill_kernel"  # the window and group kernels take no loop
+                launch["label"] = f"{launch['kernel']}[{'loop,' * looped}{short}]"
+    finally:
+        kv._target_programs = target
     kv.decode(torch.randn(batch, q_heads, head_dim, dtype=torch.float16), cache, block_tables, seq_lens, **rows)
     kv.flatten(cache, block_tables, seq_lens, **rows)
     return launches

@@ -137,16 +137,24 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     # head_dim can fail to compile at a wider one. Programs per SM: the table's, else as many as fit under the cap
     # (65536 registers over the program's warps of 32 threads: one wave for a large fill); other head dims take 8,
     # uncapped.
-    fill_registers = {int(d): int(n) for d, n in table.get("fill_registers", {}).get(name, {}).items()}
-    fill_warps = {int(d): int(n) for d, n in table.get("fill_warps", {}).get(name, {}).items()}
+    fill_registers, fill_warps = _per_head_dim(table, "fill_registers", name), _per_head_dim(table, "fill_warps", name)
     fill_programs = {d: 65536 // (n * 32 * fill_warps.get(d, 4)) for d, n in fill_registers.items()}
-    fill_programs.update({int(d): int(n) for d, n in table.get("fill_programs", {}).get(name, {}).items()})
-    split_stages = {int(d): int(n) for d, n in table.get("fill_stages_split_inputs", {}).get(name, {}).items()}
-    return {"configs": repr(dict(sorted(configs.items()))), "default": repr(default), "comment": comment, "lazy": lazy,
-            "rotate_in_decode": not rotate_apart, "fill_registers": repr(dict(sorted(fill_registers.items()))),
-            "fill_programs": repr(dict(sorted(fill_programs.items()))),
-            "fill_warps": repr(dict(sorted(fill_warps.items()))),
-            "split_input_stages": repr(dict(sorted(split_stages.items())))}
+    fill_programs.update(_per_head_dim(table, "fill_programs", name))
+    split_stages = _per_head_dim(table, "fill_stages_split_inputs", name)
+    return {"configs": _literal(configs), "default": repr(default), "comment": comment, "lazy": lazy,
+            "rotate_in_decode": not rotate_apart, "fill_registers": _literal(fill_registers),
+            "fill_programs": _literal(fill_programs), "fill_warps": _literal(fill_warps),
+            "split_input_stages": _literal(split_stages)}
+
+
+def _per_head_dim(table: dict, key: str, name: str) -> dict[int, int]:
+    """The table's `key` entry for one scheme: a number per head_dim where one was measured."""
+    return {int(d): int(n) for d, n in table.get(key, {}).get(name, {}).items()}
+
+
+def _literal(by_head_dim: dict) -> str:
+    """A per-head_dim dict as the module's source spells it, in head_dim order."""
+    return repr(dict(sorted(by_head_dim.items())))
 
 
 def origin(scheme: Scheme) -> str | None:
@@ -171,7 +179,6 @@ def recorded_origin(module_source: str) -> str | None:
 
 def render(scheme: Scheme) -> str:
     layout: Layout = plan(scheme)
-    tuning = decode_tuning(scheme.name, scheme.head_dims)
     data = scheme.to_dict()
     data.pop("description")  # free text stays out of generated source
     source = _environment().get_template("module.py.j2").render(
@@ -184,7 +191,7 @@ def render(scheme: Scheme) -> str:
         example_dim=128 if 128 in scheme.head_dims else scheme.head_dims[-1],
         generator_source=_generator_source(),
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
-        tuning=tuning,
+        tuning=decode_tuning(scheme.name, scheme.head_dims),
         runtime=runtime_source,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)

@@ -106,6 +106,9 @@ _FLATTEN_PROGRAMS_PER_SM = 32
 _DECODE_CONFIGS = {64: (32, 1, 3, 8, 64), 128: (32, 1, 3, 8, 64), 256: (32, 1, 2, 8, 64)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
+# Rows decode's split kernel pads its query heads to at least, per head_dim where 16 (a whole tensor-core tile)
+# measured faster than the next power of two (templates/decode_tuning.json, `query_rows`).
+_QUERY_ROWS = {}
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = True
@@ -786,6 +789,8 @@ def _decode_kernel(
         # Launched while the kernel before it drained (programmatic dependent launch): wait for it to finish and
         # for its writes (the query, the cache) before the first load.
         tl.extra.cuda.gdc_wait()
+        # _window_decode_kernel may start now: what it reads before its own wait is written by then.
+        tl.extra.cuda.gdc_launch_dependents()
     if HEADS_FASTEST:  # axis 0 is (sequence, KV head), a sequence's KV heads side by side (see _heads_fastest)
         seq = tl.program_id(0) // NUM_KV_HEADS
         kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -1859,14 +1864,16 @@ def _window_decode_kernel(
     D_PAD: tl.constexpr,
     WINDOW: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     MERGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The last split of decode: one sequence's GROUP query heads over its last WINDOW tokens, read unquantized
     from the ring in the input basis.
-    With MERGE it then merges the sequence's splits for this KV head's query heads: _decode_kernel's ran before
-    it, on the same stream."""
+    With MERGE it then merges the sequence's splits for this KV head's query heads, once _decode_kernel's have
+    finished."""
     if HEADS_FASTEST:  # _decode_kernel's order
         seq = tl.program_id(0) // NUM_KV_HEADS
         kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -1889,8 +1896,9 @@ def _window_decode_kernel(
         valid = (member < WINDOW) & (position >= 0) & (ring >= 0) & (ring < max_seqs)
         ring_row = (ring * WINDOW + position % WINDOW) * NUM_KV_HEADS + kv_head
         mask = valid[:, None] & (dim[None, :] < HEAD_DIM)
-        key = tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0).to(tl.float32)
-        scores = _mm(query, tl.trans(key), DOT_PRECISION)
+        # Dots in the query's precision with float32 accumulation, as the quantized splits take theirs.
+        key = tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
+        scores = _mm(query.to(DOT_DTYPE), tl.trans(key), DOT_PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)
@@ -1899,12 +1907,16 @@ def _window_decode_kernel(
         running_max = new_max
         value = tl.load(
             value_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
-        acc = acc * alpha[:, None] + _mm(p, value, DOT_PRECISION)
+        ).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + _mm(p.to(DOT_DTYPE), value, DOT_PRECISION)
     part = q_row * num_splits + num_splits - 1
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)
     tl.store(partial_out_ptr + part[:, None] * D_PAD + dim[None, :], acc, mask=q_valid[:, None])
+    if PDL:
+        # Launched dependent on the split kernel, this program attended the window while that kernel's last
+        # programs ran. It waits for them here: the merge reads their partials, and so does a reduce launched next.
+        tl.extra.cuda.gdc_wait()
     if MERGE:
         tl.debug_barrier()  # this program's partial, stored by all its threads, before any thread reads it back
         _merge_splits(
@@ -2798,7 +2810,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(_DOT_ROWS, _pow2(group)),
+        GROUP_PAD=max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -2837,10 +2849,13 @@ def decode(
         D_PAD=_pow2(head_dim),
         WINDOW=WINDOW,
         BLOCK_W=max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW))),
+        DOT_DTYPE=_DOT_DTYPES[query.dtype],
         DOT_PRECISION=_DOT_PRECISION,
         SPLIT_CHUNK=plan.split_chunk,
         MERGE=merging,
+        PDL=pdl,
         num_warps=4 if head_dim <= 128 else 8,  # 4 warps spill a 256-wide head's ring tiles
+        launch_pdl=pdl,
     )
     reduce = functools.partial(
         _reduce, partial_max=partial_max, partial_sum=partial_sum, seq_lens=seq_lens,

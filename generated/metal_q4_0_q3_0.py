@@ -167,6 +167,9 @@ _FLATTEN_PROGRAMS_PER_SM = 32
 _DECODE_CONFIGS = {128: (32, 1, 3, 8, 128), 256: (16, 1, 3, 16, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
 _DECODE_DEFAULT = (128, 4, 3, 8, 64)
+# Rows decode's split kernel pads its query heads to at least, per head_dim where 16 (a whole tensor-core tile)
+# measured faster than the next power of two (templates/decode_tuning.json, `query_rows`).
+_QUERY_ROWS = {}
 # Whether decode skips rescaling its accumulators on tiles that raise no row's max (see _decode_kernel): per
 # scheme, in templates/decode_tuning.json.
 _LAZY_RESCALE = False
@@ -2719,7 +2722,7 @@ def decode(
         num_splits,
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(_DOT_ROWS, _pow2(group)),
+        GROUP_PAD=max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),

@@ -7,6 +7,7 @@ sequence) left out as the merge kernel leaves them, and every ticket counter bac
 """
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -161,7 +162,8 @@ def test_an_output_off_a_16_byte_boundary_takes_a_launch_of_its_own(name, merge_
 
 def test_query_rows_follow_what_the_dots_take(monkeypatch):
     """Decode's kernels hold the query heads padded to a power of two, or to _DOT_ROWS where the installed Triton's
-    dots want more rows (16 before 3.5 on NVIDIA): the same output either way."""
+    dots want more rows (16 before 3.5 on NVIDIA), or to _QUERY_ROWS' count at a head_dim where that measured
+    faster: the same output every way."""
     m, (cache,), (query,), paging, _ = setup("int8_token", monkeypatch)
     taken = []
     real = m._launch_at
@@ -176,8 +178,20 @@ def test_query_rows_follow_what_the_dots_take(monkeypatch):
     for rows in (1, 16):
         monkeypatch.setattr(m, "_DOT_ROWS", rows)
         outs[rows] = m.decode(query, cache, *paging)
-    assert taken == [4, 16]  # 3 query heads a KV head
+    monkeypatch.setattr(m, "_DOT_ROWS", 1)
+    monkeypatch.setattr(m, "_QUERY_ROWS", {cache.head_dim: 8, cache.head_dim * 2: 32})
+    outs[8] = m.decode(query, cache, *paging)
+    assert taken == [4, 16, 8]  # 3 query heads a KV head
     torch.testing.assert_close(outs[1].float(), outs[16].float(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs[1].float(), outs[8].float(), rtol=1e-3, atol=1e-3)
+
+
+def test_query_rows_come_from_the_tuning_table():
+    """A module pads decode's query heads to decode_tuning.json's `query_rows` at the head dims it names."""
+    table = json.loads((ROOT / "kvqc" / "compiler" / "templates" / "decode_tuning.json").read_text())
+    for name, rows in table["query_rows"].items():
+        assert generated(name)._QUERY_ROWS == {int(d): n for d, n in rows.items()}
+    assert generated("int8_token")._QUERY_ROWS == {}
 
 
 def test_later_layers_take_the_replay(monkeypatch):

@@ -144,7 +144,8 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     return {"configs": _literal(configs), "default": repr(default), "comment": comment, "lazy": lazy,
             "rotate_in_decode": not rotate_apart, "fill_registers": _literal(fill_registers),
             "fill_programs": _literal(fill_programs), "fill_warps": _literal(fill_warps),
-            "split_input_stages": _literal(split_stages)}
+            "split_input_stages": _literal(split_stages),
+            "query_rows": _literal(_per_head_dim(table, "query_rows", name))}
 
 
 def _per_head_dim(table: dict, key: str, name: str) -> dict[int, int]:

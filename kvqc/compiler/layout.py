@@ -1806,7 +1806,7 @@ class Layout:
             _positional("num_splits", "num_splits"),
             _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"),
             _constexpr("GROUP", "group"),
-            _constexpr("GROUP_PAD", "max(_DOT_ROWS, _pow2(group))"),
+            _constexpr("GROUP_PAD", "max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1))"),
             _constexpr("HEAD_DIM", "head_dim"),
         ]
         params += self._widths("head_dim", pad="width")
@@ -1922,7 +1922,8 @@ class Layout:
     def window_decode_params(self) -> tuple[KernelParam, ...]:
         """_window_decode_kernel's parameters and decode's launch arguments for it, in order: the query as given,
         the sequences' lengths and ring rows, the rings, the key mean, the rotation the merge undoes, the splits'
-        scratch (the window's split is the last), the merged output where this kernel merges; then the constexprs."""
+        scratch (the window's split is the last), the merged output where this kernel merges; then the constexprs,
+        PDL last: it launches dependent on decode's split kernel."""
         params = [_positional("query_ptr", "q_input.contiguous()"), _positional("seq_lens_ptr", "seq_lens"),
                   _positional("window_index_ptr", "window_index"),
                   _positional("key_window_ptr", "cache.key_window"),
@@ -1942,10 +1943,10 @@ class Layout:
                    _constexpr("HEAD_DIM", "head_dim"), _constexpr("D_PAD", "_pow2(head_dim)"),
                    _constexpr("WINDOW", "WINDOW"),
                    _constexpr("BLOCK_W", "max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW)))"),
-                   _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
+                   _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype]"), _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
         if self.decode_merge:
             params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]
-        return tuple(params)
+        return tuple(params + [_constexpr("PDL", "pdl")])
 
     def _widths(self, head_dim: str, pad: str = "") -> list[KernelParam]:
         """The constexprs for the widths besides HEAD_DIM at the wrapper's `head_dim`: the power-of-two width of a

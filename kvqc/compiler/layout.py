@@ -1598,9 +1598,9 @@ class Layout:
         """Which kernel that decode launches anyway merges the splits' partials, where the plan's split count keeps
         that merge short (DecodePlan.merge says per batch, `kvqc explain` says the rule): "split", the last of each
         (sequence, KV head)'s split programs to finish, which a ticket (an atomic count per pair) names; "window",
-        `_window_decode_kernel`, which runs after the quantized splits. "" where `_decode_reduce_kernel` always
-        merges: a channel split or a QJL value (several partial outputs a row), or a window whose output the
-        wrapper maps in torch before the merge."""
+        `_window_decode_kernel`, which waits for the quantized splits before it merges. "" where
+        `_decode_reduce_kernel` always merges: a channel split or a QJL value (several partial outputs a row), or a
+        window whose output the wrapper maps in torch before the merge."""
         if self.split or self.value.qjl:
             return ""
         if self.window:

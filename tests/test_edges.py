@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from conftest import ALL_SCHEMES, DEVICE, ROOT, SCHEMES, generated
+from conftest import ALL_SCHEMES, DEVICE, ROOT, SCHEMES, WINDOW_SCHEMES, generated
 
 D = 128  # head_dim in every test here; a scheme not built for 128 uses its largest (the fixture below)
 FIELDS = ("key_codes", "key_meta", "value_codes", "value_meta")
@@ -1072,6 +1072,29 @@ def test_dependently_launched_kernels_wait_before_their_first_load(name):
         wait, load = body.find("tl.extra.cuda.gdc_wait()"), body.find("tl.load(")
         assert 0 <= wait < load, f"{k}: the first load comes before the wait"
     assert m._dependent_launch(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("name", WINDOW_SCHEMES)
+def test_the_window_kernel_waits_for_the_splits_before_it_merges(name):
+    """A window's kernel may start once the split kernel's programs have passed their own wait (they let it,
+    gdc_launch_dependents): before its wait it writes only the window's split, the last, which no split program
+    writes, and it waits on every path (a reduce launched after it waits for it alone) before the merge reads
+    the splits' partials."""
+    import inspect
+
+    m = generated(name)
+    split = inspect.getsource(m._decode_kernel.fn).split('"""')[-1]
+    wait, early = split.find("tl.extra.cuda.gdc_wait()"), split.find("tl.extra.cuda.gdc_launch_dependents()")
+    assert 0 <= wait < early < split.find("tl.load("), "the split kernel lets its dependents start before its wait"
+    window = inspect.getsource(m._window_decode_kernel.fn).split('"""')[-1]
+    wait = window.find("tl.extra.cuda.gdc_wait()")
+    before, after = window[:wait], window[wait:]
+    gate = [line for line in before.splitlines() if line.strip() and not line.strip().startswith("#")][-1]
+    assert wait >= 0 and gate == "    if PDL:", "the window kernel's wait is missing or depends on more than PDL"
+    assert "part = q_row * num_splits + num_splits - 1\n" in before
+    stores = [before[i:].split(",")[0] for i in range(len(before)) if before.startswith("tl.store(", i)]
+    assert len(stores) == 3 and all(re.fullmatch(r"tl\.store\(\s*partial_\w+_ptr \+ part\b.*", s, re.S) for s in stores)
+    assert "_merge_splits(" in after and "_merge_splits(" not in before
 
 
 # -- 11. cache layouts -----------------------------------------------------------------------------------------

@@ -181,7 +181,12 @@ def test_query_rows_follow_what_the_dots_take(monkeypatch):
     monkeypatch.setattr(m, "_DOT_ROWS", 1)
     monkeypatch.setattr(m, "_QUERY_ROWS", {cache.head_dim: 8, cache.head_dim * 2: 32})
     outs[8] = m.decode(query, cache, *paging)
-    assert taken == [4, 16, 8]  # 3 query heads a KV head
+    # A table's count never lowers the padding below the power of two or _DOT_ROWS.
+    monkeypatch.setattr(m, "_QUERY_ROWS", {cache.head_dim: 2})
+    m.decode(query, cache, *paging)
+    monkeypatch.setattr(m, "_DOT_ROWS", 16)
+    m.decode(query, cache, *paging)
+    assert taken == [4, 16, 8, 4, 16]  # 3 query heads a KV head
     torch.testing.assert_close(outs[1].float(), outs[16].float(), rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(outs[1].float(), outs[8].float(), rtol=1e-3, atol=1e-3)
 

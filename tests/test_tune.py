@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvqc.compiler import codegen
 from kvqc.compiler.spec import load_scheme
 from kvqc.modules import SCHEMES
@@ -173,6 +175,27 @@ def test_fill_warps_and_stages_render_per_scheme_and_survive_a_sweep(tmp_path, m
     kept = json.loads(path.read_text(encoding="utf-8"))
     assert kept["fill_warps"] == {"turbo_k4v2": {"256": 8}}
     assert kept["fill_stages_split_inputs"] == {"turbo_k4v2": {"256": 1}}
+
+
+def test_query_rows_render_per_head_dim_and_survive_a_sweep(tmp_path, monkeypatch):
+    """query_rows belongs to the scheme and head_dim it was measured at; a count that is not a power of two (no
+    query tile) stops the build with the table's path and entry."""
+    path = tmp_path / "decode_tuning.json"
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
+    table["query_rows"] = {"int8_token": {"64": 16}}
+    path.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(codegen, "DECODE_TUNING", path)
+    source = codegen.render(load_scheme(SCHEMES / "int8_token.yaml"))
+    assert "\n_QUERY_ROWS = {64: 16}\n" in source
+    assert "GROUP_PAD=max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1))" in source
+    assert codegen.decode_tuning("int4_token")["query_rows"] == "{}"
+    tune.write_table(path, {("other", 128): (32, 1, 2, 16, 128)},
+                     {"device": "G", "torch": "t", "triton": "x", "shapes": "s"})
+    assert json.loads(path.read_text(encoding="utf-8"))["query_rows"] == {"int8_token": {"64": 16}}
+    table["query_rows"] = {"int8_token": {"64": 12}}
+    path.write_text(json.dumps(table), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"decode_tuning.json: query_rows.int8_token.64: expected a power of two"):
+        codegen.decode_tuning("int8_token")
 
 
 def test_fill_programs_follow_the_register_cap_unless_the_table_names_them(tmp_path, monkeypatch):

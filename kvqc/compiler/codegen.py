@@ -114,9 +114,9 @@ DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
 def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
-    """The decode launch table for one scheme, and its looping fill's register cap, programs, warps and stages for
-    bf16 and fp32 inputs, as the module template renders them (see `kvqc tune`). Head dims of 64 or less that the
-    table does not name take `default_small_heads`."""
+    """The decode launch table for one scheme, the rows its split kernel pads the query heads to at least, and its
+    looping fill's register cap, programs, warps and stages for bf16 and fp32 inputs, as the module template renders
+    them (see `kvqc tune`). Head dims of 64 or less that the table does not name take `default_small_heads`."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
@@ -141,11 +141,16 @@ def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     fill_programs = {d: 65536 // (n * 32 * fill_warps.get(d, 4)) for d, n in fill_registers.items()}
     fill_programs.update(_per_head_dim(table, "fill_programs", name))
     split_stages = _per_head_dim(table, "fill_stages_split_inputs", name)
+    query_rows = _per_head_dim(table, "query_rows", name)
+    for d, rows in query_rows.items():
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"{DECODE_TUNING}: query_rows.{name}.{d}: expected a power of two (the split kernel's "
+                             f"query tile), got {rows}")
     return {"configs": _literal(configs), "default": repr(default), "comment": comment, "lazy": lazy,
             "rotate_in_decode": not rotate_apart, "fill_registers": _literal(fill_registers),
             "fill_programs": _literal(fill_programs), "fill_warps": _literal(fill_warps),
             "split_input_stages": _literal(split_stages),
-            "query_rows": _literal(_per_head_dim(table, "query_rows", name))}
+            "query_rows": _literal(query_rows)}
 
 
 def _per_head_dim(table: dict, key: str, name: str) -> dict[int, int]:

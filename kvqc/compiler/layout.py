@@ -1943,7 +1943,11 @@ class Layout:
                    _constexpr("HEAD_DIM", "head_dim"), _constexpr("D_PAD", "_pow2(head_dim)"),
                    _constexpr("WINDOW", "WINDOW"),
                    _constexpr("BLOCK_W", "max(16, min(64 if head_dim <= 128 else 32, _pow2(WINDOW)))"),
-                   _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype]"), _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
+                   # The ring's dots in the query's precision where the ring holds the query's dtype; a ring of
+                   # another dtype in float32 (a bf16 ring's values can pass fp16's range).
+                   _constexpr("DOT_DTYPE", "_DOT_DTYPES[query.dtype] if cache.key_window.dtype == query.dtype "
+                              "else tl.float32"),
+                   _constexpr("DOT_PRECISION", "_DOT_PRECISION")]
         if self.decode_merge:
             params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]
         return tuple(params + [_constexpr("PDL", "pdl")])

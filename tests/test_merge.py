@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ALL_SCHEMES, DEVICE, ROOT, generated
 
+from kvqc.compiler import codegen
 from kvqc.compiler.layout import plan as layout_of
 from kvqc.compiler.spec import load_scheme
 from kvqc.tools import bench
@@ -193,7 +194,7 @@ def test_query_rows_follow_what_the_dots_take(monkeypatch):
 
 def test_query_rows_come_from_the_tuning_table():
     """A module pads decode's query heads to decode_tuning.json's `query_rows` at the head dims it names."""
-    table = json.loads((ROOT / "kvqc" / "compiler" / "templates" / "decode_tuning.json").read_text())
+    table = json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))
     for name, rows in table["query_rows"].items():
         assert generated(name)._QUERY_ROWS == {int(d): n for d, n in rows.items()}
     assert generated("int8_token")._QUERY_ROWS == {}

@@ -1643,6 +1643,14 @@ if gluon is not None:
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [both], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _gluon_key_position(kappa):
+        """The position a column kappa of the K tile holds: kappa's bits (b0, t, t, b1, w, w, nibble) name byte
+        16t + 4w + 2 * b1 + b0 of a row and its nibble, position nibble * 64 + byte."""
+        return (
+            (kappa >> 6) * 64 + 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+        )
+
+    @gluon.jit
     def _gluon_load_tile(block_tables_ptr, seq, stride_block_table, start, end, max_blocks_per_seq, num_blocks, kv_head,
                          key_words_ptr, key_meta_ptr, value_words_ptr, value_meta_ptr, key_token, key_word, value_token,
                          value_word, score_token, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -1694,38 +1702,29 @@ if gluon is not None:
         return row, (position < end) & (block >= 0) & (block < num_blocks)
 
     @gluon.jit
-    def _gluon_walsh_hadamard(x):
-        """_walsh_hadamard for rows of 128 in Gluon: each pass's pairs go where a thread holds both (the layout
-        below), which tl.split needs and Gluon does not arrange by itself."""
+    def _gluon_butterflies(x, SPAN: gl.constexpr):
+        """One pass of _walsh_hadamard in Gluon over rows of 128: columns (i, i + SPAN) -> (sum, difference) in runs
+        of 2 * SPAN. Each pair goes where a thread holds both (the layout below), which gl.split needs and Gluon
+        does not arrange by itself."""
         ROWS: gl.constexpr = x.shape[0]
-        pairs = gl.permute(gl.reshape(x, [ROWS, 64, 2, 1]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 32, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
+        RUNS: gl.constexpr = 64 // SPAN
+        LANES: gl.constexpr = RUNS if RUNS < 32 else 32
+        pairs = gl.permute(gl.reshape(x, [ROWS, RUNS, 2, SPAN]), (0, 1, 3, 2))
+        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, LANES, 32 // LANES, 1], [1, 1, 1, 1],
+                                                          [3, 2, 1, 0]))
         low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 32, 2, 2]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 32, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 16, 2, 4]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 16, 2, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 8, 2, 8]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 4, 2, 16]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 4, 8, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 2, 2, 32]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 2, 16, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
-        pairs = gl.permute(gl.reshape(x, [ROWS, 1, 2, 64]), (0, 1, 3, 2))
-        pairs = gl.convert_layout(pairs, gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
-        low, high = gl.split(pairs)
-        x = gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
+        return gl.reshape(gl.permute(gl.join(low + high, low - high), (0, 1, 3, 2)), [ROWS, 128])
+
+    @gluon.jit
+    def _gluon_walsh_hadamard(x):
+        """_walsh_hadamard for rows of 128 in Gluon."""
+        x = _gluon_butterflies(x, 1)
+        x = _gluon_butterflies(x, 2)
+        x = _gluon_butterflies(x, 4)
+        x = _gluon_butterflies(x, 8)
+        x = _gluon_butterflies(x, 16)
+        x = _gluon_butterflies(x, 32)
+        x = _gluon_butterflies(x, 64)
         return x
 
     @gluon.jit
@@ -1888,71 +1887,40 @@ if gluon is not None:
             return
         end = gl.minimum(start + tokens_per_split, seq_len)
 
-        # kappa's bits (b0, t, t, b1, w, w, nibble) name byte 16t + 4w + 2 * b1 + b0 of a row and its nibble:
-        # position nibble * 64 + byte.
         if ROTATE:
             # The query as given, rotated here (as _decode_kernel does, kernels/fused.j2): the signs, then
             # H_128 = H_2 (x) H_64, each half of the row times H_64 by two mma of 32 rows whose B operand holds
-            # H_64's columns in kappa's order (the parity of row & byte), the halves joined by one butterfly.
+            # H_64's columns in kappa's order (the parity of row & position), the halves joined by one butterfly.
             ROTATE_IN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])  # [16 heads, 32 columns]
             HADAMARD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [32 rows, 64 columns]
             head = gl.arange(0, 16, layout=gl.SliceLayout(1, ROTATE_IN))
             column = gl.arange(0, 32, layout=gl.SliceLayout(0, ROTATE_IN))
             q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
             h_row = gl.arange(0, 32, layout=gl.SliceLayout(1, HADAMARD))
-            kappa = gl.arange(0, 64, layout=gl.SliceLayout(0, HADAMARD))
-            byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+            kappa_position = _gluon_key_position(gl.arange(0, 64, layout=gl.SliceLayout(0, HADAMARD)))  # in a half
             half_0 = gl.zeros([16, 64], gl.float32, layout=MMA)
-            x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + column[None, :], mask=(head < GROUP)[:, None], other=0.0
-            )
-            x = x * gl.load(key_matrix_ptr + column)[None, :]  # the signs: exact in fp16
-            parity = h_row[:, None] & byte[None, :]
-            parity = parity ^ (parity >> 4)
-            parity = parity ^ (parity >> 2)
-            parity = parity ^ (parity >> 1)
-            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-            half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
-            x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (32 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
-            )
-            x = x * gl.load(key_matrix_ptr + 32 + column)[None, :]  # the signs: exact in fp16
-            parity = (32 + h_row)[:, None] & byte[None, :]
-            parity = parity ^ (parity >> 4)
-            parity = parity ^ (parity >> 2)
-            parity = parity ^ (parity >> 1)
-            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-            half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
             half_1 = gl.zeros([16, 64], gl.float32, layout=MMA)
-            x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (64 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
-            )
-            x = x * gl.load(key_matrix_ptr + 64 + column)[None, :]  # the signs: exact in fp16
-            parity = h_row[:, None] & byte[None, :]
-            parity = parity ^ (parity >> 4)
-            parity = parity ^ (parity >> 2)
-            parity = parity ^ (parity >> 1)
-            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-            half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
-            x = gl.load(
-                query_ptr + q_row[:, None] * HEAD_DIM + (96 + column)[None, :], mask=(head < GROUP)[:, None], other=0.0
-            )
-            x = x * gl.load(key_matrix_ptr + 96 + column)[None, :]  # the signs: exact in fp16
-            parity = (32 + h_row)[:, None] & byte[None, :]
-            parity = parity ^ (parity >> 4)
-            parity = parity ^ (parity >> 2)
-            parity = parity ^ (parity >> 1)
-            hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
-            half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
+            for k in gl.static_range(4):  # 32 columns of the row at a time, two a half
+                x = gl.load(query_ptr + q_row[:, None] * HEAD_DIM + (32 * k + column)[None, :],
+                            mask=(head < GROUP)[:, None], other=0.0)
+                x = x * gl.load(key_matrix_ptr + 32 * k + column)[None, :]  # the signs: exact in fp16
+                parity = (32 * (k % 2) + h_row)[:, None] & kappa_position[None, :]
+                parity = parity ^ (parity >> 4)
+                parity = parity ^ (parity >> 2)
+                parity = parity ^ (parity >> 1)
+                hadamard = gl.convert_layout((1 - 2 * (parity & 1)).to(gl.float16), B_OPERAND)
+                if k < 2:
+                    half_0 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_0)
+                else:
+                    half_1 = mma_v2(gl.convert_layout(x.to(gl.float16), A_OPERAND), hadamard, half_1)
             query_low = (half_0 + half_1) * (1.0 / HEAD_DIM ** 0.5)
             query_high = (half_0 - half_1) * (1.0 / HEAD_DIM ** 0.5)
             query = gl.reshape(gl.permute(gl.join(query_low, query_high), (0, 2, 1)), [16, HEAD_DIM])  # columns kappa
         else:  # _rotate_query_kernel's float32 rows
             head = gl.arange(0, 16, layout=gl.SliceLayout(1, QUERY))
-            kappa = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QUERY))
-            byte = 16 * ((kappa >> 1) & 3) + 4 * ((kappa >> 4) & 3) + 2 * ((kappa >> 3) & 1) + (kappa & 1)
+            kappa_position = _gluon_key_position(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QUERY)))
             q_row = seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + head
-            query = gl.load(query_ptr + q_row[:, None] * HEAD_DIM + ((kappa >> 6) * 64 + byte)[None, :],
+            query = gl.load(query_ptr + q_row[:, None] * HEAD_DIM + kappa_position[None, :],
                             mask=(head < GROUP)[:, None], other=0.0)
         query = gl.convert_layout(query.to(gl.float16), A_OPERAND)
 

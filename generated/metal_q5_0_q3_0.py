@@ -201,30 +201,43 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_cell_4(value, b1, b2, b3):
+def _symmetric_cell_4(value, b1, b2, b3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
     positive boundaries b1 < ... < b3 below |value|."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag;
-        abs.f32 mag, $1;
-        setp.gt.f32 up, $1, 0f00000000;
-        mov.b32 $0, 4;
-        setp.gt.f32 past, mag, $2;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $3;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $4;
-        @past add.s32 $0, $0, 1;
-        @!up mad.lo.s32 $0, $0, -1, 7;
-        }""",
-        constraints="=r,r,r,r,r",
-        args=[value, b1, b2, b3],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    if FAST_CELL:
+        code = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag;
+            abs.f32 mag, $1;
+            setp.gt.f32 up, $1, 0f00000000;
+            mov.b32 $0, 4;
+            setp.gt.f32 past, mag, $2;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $3;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $4;
+            @past add.s32 $0, $0, 1;
+            @!up mad.lo.s32 $0, $0, -1, 7;
+            }""",
+            constraints="=r,r,r,r,r",
+            args=[value, b1, b2, b3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b2
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b3
+        code += beyond.to(tl.int32)
+        upper = value > 0
+        code = tl.where(upper, 4 + code, 3 - code)
+    return code
 
 
 @triton.jit
@@ -846,117 +859,21 @@ def _fill_kernel(
         value_b6 = tl.load(value_boundaries_ptr + 6)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
+        code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
+        code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_2 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_2 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_2 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_2 = tl.where(upper, 4 + code_2, 3 - code_2)
+        code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_3 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_3 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_3 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_3 = tl.where(upper, 4 + code_3, 3 - code_3)
+        code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_4 * inverse[:, None]
-        if FAST_CELL:
-            code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_4 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_4 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_4 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_4 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_4 = tl.where(upper, 4 + code_4, 3 - code_4)
+        code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_5 * inverse[:, None]
-        if FAST_CELL:
-            code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_5 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_5 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_5 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_5 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_5 = tl.where(upper, 4 + code_5, 3 - code_5)
+        code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_6 * inverse[:, None]
-        if FAST_CELL:
-            code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_6 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_6 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_6 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_6 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_6 = tl.where(upper, 4 + code_6, 3 - code_6)
+        code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         unit = x_7 * inverse[:, None]
-        if FAST_CELL:
-            code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6)
-        else:
-            magnitude = tl.abs(unit)
-            code_7 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b4
-            code_7 += beyond.to(tl.int32)
-            beyond = magnitude > value_b5
-            code_7 += beyond.to(tl.int32)
-            beyond = magnitude > value_b6
-            code_7 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_7 = tl.where(upper, 4 + code_7, 3 - code_7)
+        code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
         packed = (
             code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
             | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7

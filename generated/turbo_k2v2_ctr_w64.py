@@ -229,52 +229,72 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_cell_2(value, b1):
+def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundaries b1 < ... < b1 below |value|."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag;
-        abs.f32 mag, $1;
-        setp.gt.f32 up, $1, 0f00000000;
-        mov.b32 $0, 2;
-        setp.gt.f32 past, mag, $2;
-        @past add.s32 $0, $0, 1;
-        @!up mad.lo.s32 $0, $0, -1, 3;
-        }""",
-        constraints="=r,r,r",
-        args=[value, b1],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    positive boundary b1 below |value|."""
+    if FAST_CELL:
+        code = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag;
+            abs.f32 mag, $1;
+            setp.gt.f32 up, $1, 0f00000000;
+            mov.b32 $0, 2;
+            setp.gt.f32 past, mag, $2;
+            @past add.s32 $0, $0, 1;
+            @!up mad.lo.s32 $0, $0, -1, 3;
+            }""",
+            constraints="=r,r,r",
+            args=[value, b1],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        upper = value > 0
+        code = tl.where(upper, 2 + code, 1 - code)
+    return code
 
 
 @triton.jit
-def _symmetric_cell_2_magnitude(value, b1, c0, c1):
+def _symmetric_cell_2_magnitude(value, b1, c0, c1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundaries b1 < ... < b1 below |value|. And c[level], the centroid's magnitude."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag, c;
-        abs.f32 mag, $2;
-        setp.gt.f32 up, $2, 0f00000000;
-        mov.b32 $0, 2;
-        mov.b32 c, $4;
-        setp.gt.f32 past, mag, $3;
-        @past add.s32 $0, $0, 1;
-        @past fma.rn.f32 c, mag, 0f00000000, $5;
-        @!up mad.lo.s32 $0, $0, -1, 3;
-        mov.b32 $1, c;
-        }""",
-        constraints="=r,=r,r,r,r,r",
-        args=[value, b1, c0, c1],
-        dtype=(tl.int32, tl.float32),
-        is_pure=True,
-        pack=1,
-    )
+    positive boundary b1 below |value|. And c[level], the centroid's magnitude."""
+    if FAST_CELL:
+        code, centroid = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag, c;
+            abs.f32 mag, $2;
+            setp.gt.f32 up, $2, 0f00000000;
+            mov.b32 $0, 2;
+            mov.b32 c, $4;
+            setp.gt.f32 past, mag, $3;
+            @past add.s32 $0, $0, 1;
+            @past fma.rn.f32 c, mag, 0f00000000, $5;
+            @!up mad.lo.s32 $0, $0, -1, 3;
+            mov.b32 $1, c;
+            }""",
+            constraints="=r,=r,r,r,r,r",
+            args=[value, b1, c0, c1],
+            dtype=(tl.int32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        centroid = tl.full(value.shape, c0, tl.float32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        centroid = tl.where(beyond, c1, centroid)
+        upper = value > 0
+        code = tl.where(upper, 2 + code, 1 - code)
+    return code, centroid
 
 
 @triton.jit
@@ -427,45 +447,13 @@ def _fill_kernel(
         key_b2 = tl.load(key_boundaries_ptr + 2)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_2(unit, key_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b2
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
+        code_0 = _symmetric_cell_2(unit, key_b2, FAST_CELL)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_2(unit, key_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b2
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
+        code_1 = _symmetric_cell_2(unit, key_b2, FAST_CELL)
         unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2 = _symmetric_cell_2(unit, key_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b2
-            code_2 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
+        code_2 = _symmetric_cell_2(unit, key_b2, FAST_CELL)
         unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3 = _symmetric_cell_2(unit, key_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b2
-            code_3 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
+        code_3 = _symmetric_cell_2(unit, key_b2, FAST_CELL)
         packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM // 4) + key_chunk[None, :],
@@ -584,56 +572,16 @@ def _fill_kernel(
         value_c3 = tl.load(value_centroids_ptr + 3)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, value_c2, tl.float32)
-            beyond = magnitude > value_b2
-            code_0 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, value_c3, centroid)
-            upper = unit > 0
-            code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
+        code_0, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3, FAST_CELL)
         align = tl.sum(tl.abs(unit) * centroid, axis=1)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, value_c2, tl.float32)
-            beyond = magnitude > value_b2
-            code_1 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, value_c3, centroid)
-            upper = unit > 0
-            code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
+        code_1, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3, FAST_CELL)
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, value_c2, tl.float32)
-            beyond = magnitude > value_b2
-            code_2 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, value_c3, centroid)
-            upper = unit > 0
-            code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
+        code_2, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3, FAST_CELL)
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, value_c2, tl.float32)
-            beyond = magnitude > value_b2
-            code_3 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, value_c3, centroid)
-            upper = unit > 0
-            code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
+        code_3, centroid = _symmetric_cell_2_magnitude(unit, value_b2, value_c2, value_c3, FAST_CELL)
         align += tl.sum(tl.abs(unit) * centroid, axis=1)
         # DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over the rotation.
         norm = tl.where(align > 1e-30, norm / tl.maximum(align, 1e-30), norm)

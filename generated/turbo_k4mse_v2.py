@@ -185,61 +185,91 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7):
+def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 8 + level above 0, 7 - level at or below, where level counts the
     positive boundaries b1 < ... < b7 below |value|."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag;
-        abs.f32 mag, $1;
-        setp.gt.f32 up, $1, 0f00000000;
-        mov.b32 $0, 8;
-        setp.gt.f32 past, mag, $2;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $3;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $4;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $5;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $6;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $7;
-        @past add.s32 $0, $0, 1;
-        setp.gt.f32 past, mag, $8;
-        @past add.s32 $0, $0, 1;
-        @!up mad.lo.s32 $0, $0, -1, 15;
-        }""",
-        constraints="=r,r,r,r,r,r,r,r,r",
-        args=[value, b1, b2, b3, b4, b5, b6, b7],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    if FAST_CELL:
+        code = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag;
+            abs.f32 mag, $1;
+            setp.gt.f32 up, $1, 0f00000000;
+            mov.b32 $0, 8;
+            setp.gt.f32 past, mag, $2;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $3;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $4;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $5;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $6;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $7;
+            @past add.s32 $0, $0, 1;
+            setp.gt.f32 past, mag, $8;
+            @past add.s32 $0, $0, 1;
+            @!up mad.lo.s32 $0, $0, -1, 15;
+            }""",
+            constraints="=r,r,r,r,r,r,r,r,r",
+            args=[value, b1, b2, b3, b4, b5, b6, b7],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b2
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b3
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b4
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b5
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b6
+        code += beyond.to(tl.int32)
+        beyond = magnitude > b7
+        code += beyond.to(tl.int32)
+        upper = value > 0
+        code = tl.where(upper, 8 + code, 7 - code)
+    return code
 
 
 @triton.jit
-def _symmetric_cell_2(value, b1):
+def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundaries b1 < ... < b1 below |value|."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag;
-        abs.f32 mag, $1;
-        setp.gt.f32 up, $1, 0f00000000;
-        mov.b32 $0, 2;
-        setp.gt.f32 past, mag, $2;
-        @past add.s32 $0, $0, 1;
-        @!up mad.lo.s32 $0, $0, -1, 3;
-        }""",
-        constraints="=r,r,r",
-        args=[value, b1],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    positive boundary b1 below |value|."""
+    if FAST_CELL:
+        code = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag;
+            abs.f32 mag, $1;
+            setp.gt.f32 up, $1, 0f00000000;
+            mov.b32 $0, 2;
+            setp.gt.f32 past, mag, $2;
+            @past add.s32 $0, $0, 1;
+            @!up mad.lo.s32 $0, $0, -1, 3;
+            }""",
+            constraints="=r,r,r",
+            args=[value, b1],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        upper = value > 0
+        code = tl.where(upper, 2 + code, 1 - code)
+    return code
 
 
 @triton.jit
@@ -352,49 +382,9 @@ def _fill_kernel(
         key_b14 = tl.load(key_boundaries_ptr + 14)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_8(unit, key_b8, key_b9, key_b10, key_b11, key_b12, key_b13, key_b14)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b8
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b9
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b10
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b11
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b12
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b13
-            code_0 += beyond.to(tl.int32)
-            beyond = magnitude > key_b14
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 8 + code_0, 7 - code_0)
+        code_0 = _symmetric_cell_8(unit, key_b8, key_b9, key_b10, key_b11, key_b12, key_b13, key_b14, FAST_CELL)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_8(unit, key_b8, key_b9, key_b10, key_b11, key_b12, key_b13, key_b14)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > key_b8
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b9
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b10
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b11
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b12
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b13
-            code_1 += beyond.to(tl.int32)
-            beyond = magnitude > key_b14
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 8 + code_1, 7 - code_1)
+        code_1 = _symmetric_cell_8(unit, key_b8, key_b9, key_b10, key_b11, key_b12, key_b13, key_b14, FAST_CELL)
         packed = code_0 & 15 | (code_1 & 15) << 4
         tl.store(
             key_codes_ptr + row[:, None] * (HEAD_DIM // 2) + key_chunk[None, :],
@@ -510,45 +500,13 @@ def _fill_kernel(
         value_b2 = tl.load(value_boundaries_ptr + 2)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
+        code_0 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
+        code_1 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_2 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
+        code_2 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_3 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
+        code_3 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],

@@ -187,62 +187,91 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_cell_4_sign3(value, b1, b2, b3, c0, c1, c2, c3):
+def _symmetric_cell_4_sign3(value, b1, b2, b3, c0, c1, c2, c3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
     positive boundaries b1 < ... < b3 below |value|. And the residual value - (+-c[level]), whose
     sign (>= 0) sets bit 3 of the code."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag, c;
-        abs.f32 mag, $2;
-        setp.gt.f32 up, $2, 0f00000000;
-        mov.b32 $0, 4;
-        mov.b32 c, $6;
-        setp.gt.f32 past, mag, $3;
-        @past add.s32 $0, $0, 1;
-        @past fma.rn.f32 c, mag, 0f00000000, $7;
-        setp.gt.f32 past, mag, $4;
-        @past add.s32 $0, $0, 1;
-        @past fma.rn.f32 c, mag, 0f00000000, $8;
-        setp.gt.f32 past, mag, $5;
-        @past add.s32 $0, $0, 1;
-        @past fma.rn.f32 c, mag, 0f00000000, $9;
-        @!up mad.lo.s32 $0, $0, -1, 7;
-        @!up fma.rn.f32 c, c, 0fBF800000, 0f80000000;
-        sub.f32 $1, $2, c;
-        setp.ge.f32 past, $1, 0f00000000;
-        @past add.s32 $0, $0, 8;
-        }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r",
-        args=[value, b1, b2, b3, c0, c1, c2, c3],
-        dtype=(tl.int32, tl.float32),
-        is_pure=True,
-        pack=1,
-    )
+    if FAST_CELL:
+        code, residual = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag, c;
+            abs.f32 mag, $2;
+            setp.gt.f32 up, $2, 0f00000000;
+            mov.b32 $0, 4;
+            mov.b32 c, $6;
+            setp.gt.f32 past, mag, $3;
+            @past add.s32 $0, $0, 1;
+            @past fma.rn.f32 c, mag, 0f00000000, $7;
+            setp.gt.f32 past, mag, $4;
+            @past add.s32 $0, $0, 1;
+            @past fma.rn.f32 c, mag, 0f00000000, $8;
+            setp.gt.f32 past, mag, $5;
+            @past add.s32 $0, $0, 1;
+            @past fma.rn.f32 c, mag, 0f00000000, $9;
+            @!up mad.lo.s32 $0, $0, -1, 7;
+            @!up fma.rn.f32 c, c, 0fBF800000, 0f80000000;
+            sub.f32 $1, $2, c;
+            setp.ge.f32 past, $1, 0f00000000;
+            @past add.s32 $0, $0, 8;
+            }""",
+            constraints="=r,=r,r,r,r,r,r,r,r,r",
+            args=[value, b1, b2, b3, c0, c1, c2, c3],
+            dtype=(tl.int32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        centroid = tl.full(value.shape, c0, tl.float32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        centroid = tl.where(beyond, c1, centroid)
+        beyond = magnitude > b2
+        code += beyond.to(tl.int32)
+        centroid = tl.where(beyond, c2, centroid)
+        beyond = magnitude > b3
+        code += beyond.to(tl.int32)
+        centroid = tl.where(beyond, c3, centroid)
+        upper = value > 0
+        code = tl.where(upper, 4 + code, 3 - code)
+        centroid = tl.where(upper, centroid, -centroid)
+        residual = value - centroid
+        code = code | ((residual >= 0).to(tl.int32) << 3)
+    return code, residual
 
 
 @triton.jit
-def _symmetric_cell_2(value, b1):
+def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundaries b1 < ... < b1 below |value|."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred up, past;
-        .reg .f32 mag;
-        abs.f32 mag, $1;
-        setp.gt.f32 up, $1, 0f00000000;
-        mov.b32 $0, 2;
-        setp.gt.f32 past, mag, $2;
-        @past add.s32 $0, $0, 1;
-        @!up mad.lo.s32 $0, $0, -1, 3;
-        }""",
-        constraints="=r,r,r",
-        args=[value, b1],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    positive boundary b1 below |value|."""
+    if FAST_CELL:
+        code = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred up, past;
+            .reg .f32 mag;
+            abs.f32 mag, $1;
+            setp.gt.f32 up, $1, 0f00000000;
+            mov.b32 $0, 2;
+            setp.gt.f32 past, mag, $2;
+            @past add.s32 $0, $0, 1;
+            @!up mad.lo.s32 $0, $0, -1, 3;
+            }""",
+            constraints="=r,r,r",
+            args=[value, b1],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        magnitude = tl.abs(value)
+        code = tl.zeros(value.shape, tl.int32)
+        beyond = magnitude > b1
+        code += beyond.to(tl.int32)
+        upper = value > 0
+        code = tl.where(upper, 2 + code, 1 - code)
+    return code
 
 
 @triton.jit
@@ -356,48 +385,14 @@ def _fill_kernel(
         key_c7 = tl.load(key_centroids_ptr + 7)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0, residual_0 = _symmetric_cell_4_sign3(unit, key_b4, key_b5, key_b6, key_c4, key_c5, key_c6, key_c7)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c4, tl.float32)
-            beyond = magnitude > key_b4
-            code_0 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c5, centroid)
-            beyond = magnitude > key_b5
-            code_0 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c6, centroid)
-            beyond = magnitude > key_b6
-            code_0 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c7, centroid)
-            upper = unit > 0
-            code_0 = tl.where(upper, 4 + code_0, 3 - code_0)
-            centroid = tl.where(upper, centroid, -centroid)
-            residual_0 = unit - centroid
-            code_0 = code_0 | ((residual_0 >= 0).to(tl.int32) << 3)
+        code_0, residual_0 = _symmetric_cell_4_sign3(
+            unit, key_b4, key_b5, key_b6, key_c4, key_c5, key_c6, key_c7, FAST_CELL,
+        )
         residual_square = tl.sum(residual_0 * residual_0, axis=1)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1, residual_1 = _symmetric_cell_4_sign3(unit, key_b4, key_b5, key_b6, key_c4, key_c5, key_c6, key_c7)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            centroid = tl.full(unit.shape, key_c4, tl.float32)
-            beyond = magnitude > key_b4
-            code_1 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c5, centroid)
-            beyond = magnitude > key_b5
-            code_1 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c6, centroid)
-            beyond = magnitude > key_b6
-            code_1 += beyond.to(tl.int32)
-            centroid = tl.where(beyond, key_c7, centroid)
-            upper = unit > 0
-            code_1 = tl.where(upper, 4 + code_1, 3 - code_1)
-            centroid = tl.where(upper, centroid, -centroid)
-            residual_1 = unit - centroid
-            code_1 = code_1 | ((residual_1 >= 0).to(tl.int32) << 3)
+        code_1, residual_1 = _symmetric_cell_4_sign3(
+            unit, key_b4, key_b5, key_b6, key_c4, key_c5, key_c6, key_c7, FAST_CELL,
+        )
         residual_square += tl.sum(residual_1 * residual_1, axis=1)
         residual_rms = tl.sqrt(residual_square / HEAD_DIM)
         packed = code_0 & 15 | (code_1 & 15) << 4
@@ -516,45 +511,13 @@ def _fill_kernel(
         value_b2 = tl.load(value_boundaries_ptr + 2)
 
         unit = x_0 * inverse[:, None]
-        if FAST_CELL:
-            code_0 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_0 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_0 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_0 = tl.where(upper, 2 + code_0, 1 - code_0)
+        code_0 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_1 * inverse[:, None]
-        if FAST_CELL:
-            code_1 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_1 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_1 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_1 = tl.where(upper, 2 + code_1, 1 - code_1)
+        code_1 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_2 * inverse[:, None]
-        if FAST_CELL:
-            code_2 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_2 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_2 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_2 = tl.where(upper, 2 + code_2, 1 - code_2)
+        code_2 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         unit = x_3 * inverse[:, None]
-        if FAST_CELL:
-            code_3 = _symmetric_cell_2(unit, value_b2)
-        else:
-            magnitude = tl.abs(unit)
-            code_3 = tl.zeros(unit.shape, tl.int32)
-            beyond = magnitude > value_b2
-            code_3 += beyond.to(tl.int32)
-            upper = unit > 0
-            code_3 = tl.where(upper, 2 + code_3, 1 - code_3)
+        code_3 = _symmetric_cell_2(unit, value_b2, FAST_CELL)
         packed = code_0 & 3 | (code_1 & 3) << 2 | (code_2 & 3) << 4 | (code_3 & 3) << 6
         tl.store(
             value_codes_ptr + row[:, None] * (HEAD_DIM // 4) + value_chunk[None, :],

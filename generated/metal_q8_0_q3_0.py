@@ -201,6 +201,20 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
+    """Entry index & 7 of a codebook of 8 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    return lut_2_0
+
+
+@triton.jit
 def _symmetric_cell_4(value, b1, b2, b3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
     positive boundaries b1 < ... < b3 below |value|."""
@@ -735,112 +749,56 @@ def _flatten_kernel(
         code = value_bytes_0_0 & 1
         code = code | ((value_bytes_1_0 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_0 = tile
 
         code = (value_bytes_0_0 >> 1) & 1
         code = code | ((value_bytes_1_1 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_1 = tile
 
         code = (value_bytes_0_0 >> 2) & 1
         code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_2 = tile
 
         code = (value_bytes_0_0 >> 3) & 1
         code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_3 = tile
 
         code = (value_bytes_0_0 >> 4) & 1
         code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_4 = tile
 
         code = (value_bytes_0_0 >> 5) & 1
         code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_5 = tile
 
         code = (value_bytes_0_0 >> 6) & 1
         code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_6 = tile
 
         code = (value_bytes_0_0 >> 7) & 1
         code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_7 = tile
 
@@ -1528,50 +1486,22 @@ def _decode_kernel(
                 value_pair_1_0 = value_pair_1_0.to(tl.int32)
                 code = (value_pair_0 >> value_upper_bits) & 1
                 code = code | ((value_pair_1_0 & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
                 code = (value_pair_0 >> (2 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 2) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
                 code = (value_pair_0 >> (4 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 4) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
                 code = (value_pair_0 >> (6 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 6) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 

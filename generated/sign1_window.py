@@ -212,6 +212,14 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _codebook_2(index, c0, c1):
+    """Entry index & 1 of a codebook of 2 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    return lut_0_0
+
+
+@triton.jit
 def _fill_kernel(
     key_ptr,
     value_ptr,
@@ -831,57 +839,49 @@ def _flatten_kernel(
 
         code = key_bytes_0_0 & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_0 = tile
 
         code = (key_bytes_0_0 >> 1) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_1 = tile
 
         code = (key_bytes_0_0 >> 2) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_2 = tile
 
         code = (key_bytes_0_0 >> 3) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_3 = tile
 
         code = (key_bytes_0_0 >> 4) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_4 = tile
 
         code = (key_bytes_0_0 >> 5) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_5 = tile
 
         code = (key_bytes_0_0 >> 6) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_6 = tile
 
         code = (key_bytes_0_0 >> 7) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, key_c0, key_c1)
 
         tile_7 = tile
 
@@ -1119,57 +1119,49 @@ def _flatten_kernel(
 
         code = value_bytes_0_0 & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_0 = tile
 
         code = (value_bytes_0_0 >> 1) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_1 = tile
 
         code = (value_bytes_0_0 >> 2) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_2 = tile
 
         code = (value_bytes_0_0 >> 3) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_3 = tile
 
         code = (value_bytes_0_0 >> 4) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_4 = tile
 
         code = (value_bytes_0_0 >> 5) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_5 = tile
 
         code = (value_bytes_0_0 >> 6) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_6 = tile
 
         code = (value_bytes_0_0 >> 7) & 1
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        tile = lut_0_0
+        tile = _codebook_2(code, value_c0, value_c1)
 
         tile_7 = tile
 
@@ -1813,50 +1805,42 @@ def _decode_kernel(
 
                 code = key_bytes_0_0 & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 1) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 2) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 3) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 4) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_4, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 5) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_5, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 6) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_6, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 7) & 1
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, key_c0, key_c1)
 
                 dots += _mm(query_7, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
@@ -1899,23 +1883,19 @@ def _decode_kernel(
             else:
                 value_pair_0 = value_pair_0.to(tl.int32)
                 code = (value_pair_0 >> value_upper_bits) & 1
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, value_c0, value_c1)
 
                 acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
                 code = (value_pair_0 >> (2 + value_upper_bits)) & 1
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, value_c0, value_c1)
 
                 acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
                 code = (value_pair_0 >> (4 + value_upper_bits)) & 1
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, value_c0, value_c1)
 
                 acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
                 code = (value_pair_0 >> (6 + value_upper_bits)) & 1
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                tile = lut_0_0
+                tile = _codebook_2(code, value_c0, value_c1)
 
                 acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 

@@ -229,6 +229,16 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
 def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
     positive boundary b1 below |value|."""
@@ -704,37 +714,25 @@ def _flatten_kernel(
             key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
             code = key_bytes_0_0 & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
             tile_0 = tile
 
             code = (key_bytes_0_0 >> 2) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
             tile_1 = tile
 
             code = (key_bytes_0_0 >> 4) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
             tile_2 = tile
 
             code = (key_bytes_0_0 >> 6) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
             tile_3 = tile
 
@@ -871,37 +869,25 @@ def _flatten_kernel(
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0 & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_0 = tile
 
             code = (value_bytes_0_0 >> 2) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_1 = tile
 
             code = (value_bytes_0_0 >> 4) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_2 = tile
 
             code = (value_bytes_0_0 >> 6) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_3 = tile
 
@@ -1318,34 +1304,22 @@ def _decode_kernel(
                 key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
                 code = key_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
@@ -1385,34 +1359,22 @@ def _decode_kernel(
                 value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
                 code = value_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
                 code = (value_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
                 code = (value_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
                 code = (value_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 

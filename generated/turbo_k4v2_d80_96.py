@@ -145,6 +145,30 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
+def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
+    """Entry index & 7 of a codebook of 8 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    return lut_2_0
+
+
+@triton.jit
 def _symmetric_cell_4_sign3(value, b1, b2, b3, c0, c1, c2, c3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
     positive boundaries b1 < ... < b3 below |value|. And the residual value - (+-c[level]), whose
@@ -584,14 +608,7 @@ def _flatten_kernel(
 
         code = key_bytes_0_0 & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7)
 
         positive = (code & 8) != 0
         tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
@@ -600,14 +617,7 @@ def _flatten_kernel(
 
         code = (key_bytes_0_0 >> 4) & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7)
 
         positive = (code & 8) != 0
         tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
@@ -652,37 +662,25 @@ def _flatten_kernel(
 
         code = value_bytes_0_0 & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_0 = tile
 
         code = (value_bytes_0_0 >> 2) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_1 = tile
 
         code = (value_bytes_0_0 >> 4) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_2 = tile
 
         code = (value_bytes_0_0 >> 6) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_3 = tile
 
@@ -1030,14 +1028,7 @@ def _decode_kernel(
                 key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
                 code = key_bytes_0_0 & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7)
 
                 positive = (code & 8) != 0
                 tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
@@ -1045,14 +1036,7 @@ def _decode_kernel(
                 dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 4) & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7)
 
                 positive = (code & 8) != 0
                 tile += tl.where(positive, key_residual_rms[:, None], -key_residual_rms[:, None])
@@ -1097,34 +1081,22 @@ def _decode_kernel(
                 value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
                 code = value_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
                 code = (value_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
                 code = (value_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
                 code = (value_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 

@@ -246,6 +246,38 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
+def _codebook_16(index, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Entry index & 15 of a codebook of 16 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_0_4 = tl.where((index & 1) != 0, c9, c8)
+    lut_0_5 = tl.where((index & 1) != 0, c11, c10)
+    lut_0_6 = tl.where((index & 1) != 0, c13, c12)
+    lut_0_7 = tl.where((index & 1) != 0, c15, c14)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_1_2 = tl.where((index & 2) != 0, lut_0_5, lut_0_4)
+    lut_1_3 = tl.where((index & 2) != 0, lut_0_7, lut_0_6)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    lut_2_1 = tl.where((index & 4) != 0, lut_1_3, lut_1_2)
+    lut_3_0 = tl.where((index & 8) != 0, lut_2_1, lut_2_0)
+    return lut_3_0
+
+
+@triton.jit
 def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 8 + level above 0, 7 - level at or below, where level counts the
     positive boundaries b1 < ... < b7 below |value|."""
@@ -718,43 +750,19 @@ def _flatten_kernel(
             key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
             code = key_bytes_0_0 & 15
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-            lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-            lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-            lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-            lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-            lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-            lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-            tile = lut_3_0
+            tile = _codebook_16(
+                code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7, key_c8, key_c9, key_c10,
+                key_c11, key_c12, key_c13, key_c14, key_c15,
+            )
 
             tile_0 = tile
 
             code = (key_bytes_0_0 >> 4) & 15
 
-            lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-            lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-            lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-            lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-            lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-            lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-            lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-            lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-            lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-            lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-            lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-            lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-            lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-            tile = lut_3_0
+            tile = _codebook_16(
+                code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7, key_c8, key_c9, key_c10,
+                key_c11, key_c12, key_c13, key_c14, key_c15,
+            )
 
             tile_1 = tile
 
@@ -832,37 +840,25 @@ def _flatten_kernel(
             value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
             code = value_bytes_0_0 & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_0 = tile
 
             code = (value_bytes_0_0 >> 2) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_1 = tile
 
             code = (value_bytes_0_0 >> 4) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_2 = tile
 
             code = (value_bytes_0_0 >> 6) & 3
 
-            lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-            lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-            lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-            tile = lut_1_0
+            tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
             tile_3 = tile
 
@@ -1304,42 +1300,18 @@ def _decode_kernel(
                 key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
                 code = key_bytes_0_0 & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-                lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-                lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-                lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-                lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7, key_c8, key_c9, key_c10,
+                    key_c11, key_c12, key_c13, key_c14, key_c15,
+                )
 
                 dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 4) & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_c5, key_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_c7, key_c6)
-                lut_0_4 = tl.where((code & 1) != 0, key_c9, key_c8)
-                lut_0_5 = tl.where((code & 1) != 0, key_c11, key_c10)
-                lut_0_6 = tl.where((code & 1) != 0, key_c13, key_c12)
-                lut_0_7 = tl.where((code & 1) != 0, key_c15, key_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code, key_c0, key_c1, key_c2, key_c3, key_c4, key_c5, key_c6, key_c7, key_c8, key_c9, key_c10,
+                    key_c11, key_c12, key_c13, key_c14, key_c15,
+                )
 
                 dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
@@ -1379,34 +1351,22 @@ def _decode_kernel(
                 value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
                 code = value_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
                 code = (value_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
                 code = (value_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
                 code = (value_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 

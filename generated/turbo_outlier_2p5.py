@@ -241,6 +241,38 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
+def _codebook_16(index, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Entry index & 15 of a codebook of 16 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_0_4 = tl.where((index & 1) != 0, c9, c8)
+    lut_0_5 = tl.where((index & 1) != 0, c11, c10)
+    lut_0_6 = tl.where((index & 1) != 0, c13, c12)
+    lut_0_7 = tl.where((index & 1) != 0, c15, c14)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_1_2 = tl.where((index & 2) != 0, lut_0_5, lut_0_4)
+    lut_1_3 = tl.where((index & 2) != 0, lut_0_7, lut_0_6)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    lut_2_1 = tl.where((index & 4) != 0, lut_1_3, lut_1_2)
+    lut_3_0 = tl.where((index & 8) != 0, lut_2_1, lut_2_0)
+    return lut_3_0
+
+
+@triton.jit
 def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 8 + level above 0, 7 - level at or below, where level counts the
     positive boundaries b1 < ... < b7 below |value|."""
@@ -983,43 +1015,21 @@ def _flatten_kernel(
 
         code = key_outlier_bytes_0_0 & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, key_outlier_c1, key_outlier_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_outlier_c3, key_outlier_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_outlier_c5, key_outlier_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_outlier_c7, key_outlier_c6)
-        lut_0_4 = tl.where((code & 1) != 0, key_outlier_c9, key_outlier_c8)
-        lut_0_5 = tl.where((code & 1) != 0, key_outlier_c11, key_outlier_c10)
-        lut_0_6 = tl.where((code & 1) != 0, key_outlier_c13, key_outlier_c12)
-        lut_0_7 = tl.where((code & 1) != 0, key_outlier_c15, key_outlier_c14)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-        tile = lut_3_0
+        tile = _codebook_16(
+            code, key_outlier_c0, key_outlier_c1, key_outlier_c2, key_outlier_c3, key_outlier_c4,
+            key_outlier_c5, key_outlier_c6, key_outlier_c7, key_outlier_c8, key_outlier_c9, key_outlier_c10,
+            key_outlier_c11, key_outlier_c12, key_outlier_c13, key_outlier_c14, key_outlier_c15,
+        )
 
         tile_0 = tile
 
         code = (key_outlier_bytes_0_0 >> 4) & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, key_outlier_c1, key_outlier_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_outlier_c3, key_outlier_c2)
-        lut_0_2 = tl.where((code & 1) != 0, key_outlier_c5, key_outlier_c4)
-        lut_0_3 = tl.where((code & 1) != 0, key_outlier_c7, key_outlier_c6)
-        lut_0_4 = tl.where((code & 1) != 0, key_outlier_c9, key_outlier_c8)
-        lut_0_5 = tl.where((code & 1) != 0, key_outlier_c11, key_outlier_c10)
-        lut_0_6 = tl.where((code & 1) != 0, key_outlier_c13, key_outlier_c12)
-        lut_0_7 = tl.where((code & 1) != 0, key_outlier_c15, key_outlier_c14)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-        tile = lut_3_0
+        tile = _codebook_16(
+            code, key_outlier_c0, key_outlier_c1, key_outlier_c2, key_outlier_c3, key_outlier_c4,
+            key_outlier_c5, key_outlier_c6, key_outlier_c7, key_outlier_c8, key_outlier_c9, key_outlier_c10,
+            key_outlier_c11, key_outlier_c12, key_outlier_c13, key_outlier_c14, key_outlier_c15,
+        )
 
         tile_1 = tile
 
@@ -1065,37 +1075,25 @@ def _flatten_kernel(
 
         code = key_bytes_0_0 & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         tile_0 = tile
 
         code = (key_bytes_0_0 >> 2) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         tile_1 = tile
 
         code = (key_bytes_0_0 >> 4) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         tile_2 = tile
 
         code = (key_bytes_0_0 >> 6) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         tile_3 = tile
 
@@ -1171,43 +1169,49 @@ def _flatten_kernel(
 
         code = value_outlier_bytes_0_0 & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, value_outlier_c1, value_outlier_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_outlier_c3, value_outlier_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_outlier_c5, value_outlier_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_outlier_c7, value_outlier_c6)
-        lut_0_4 = tl.where((code & 1) != 0, value_outlier_c9, value_outlier_c8)
-        lut_0_5 = tl.where((code & 1) != 0, value_outlier_c11, value_outlier_c10)
-        lut_0_6 = tl.where((code & 1) != 0, value_outlier_c13, value_outlier_c12)
-        lut_0_7 = tl.where((code & 1) != 0, value_outlier_c15, value_outlier_c14)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-        tile = lut_3_0
+        tile = _codebook_16(
+            code,
+            value_outlier_c0,
+            value_outlier_c1,
+            value_outlier_c2,
+            value_outlier_c3,
+            value_outlier_c4,
+            value_outlier_c5,
+            value_outlier_c6,
+            value_outlier_c7,
+            value_outlier_c8,
+            value_outlier_c9,
+            value_outlier_c10,
+            value_outlier_c11,
+            value_outlier_c12,
+            value_outlier_c13,
+            value_outlier_c14,
+            value_outlier_c15,
+        )
 
         tile_0 = tile
 
         code = (value_outlier_bytes_0_0 >> 4) & 15
 
-        lut_0_0 = tl.where((code & 1) != 0, value_outlier_c1, value_outlier_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_outlier_c3, value_outlier_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_outlier_c5, value_outlier_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_outlier_c7, value_outlier_c6)
-        lut_0_4 = tl.where((code & 1) != 0, value_outlier_c9, value_outlier_c8)
-        lut_0_5 = tl.where((code & 1) != 0, value_outlier_c11, value_outlier_c10)
-        lut_0_6 = tl.where((code & 1) != 0, value_outlier_c13, value_outlier_c12)
-        lut_0_7 = tl.where((code & 1) != 0, value_outlier_c15, value_outlier_c14)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-        lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-        lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-        tile = lut_3_0
+        tile = _codebook_16(
+            code,
+            value_outlier_c0,
+            value_outlier_c1,
+            value_outlier_c2,
+            value_outlier_c3,
+            value_outlier_c4,
+            value_outlier_c5,
+            value_outlier_c6,
+            value_outlier_c7,
+            value_outlier_c8,
+            value_outlier_c9,
+            value_outlier_c10,
+            value_outlier_c11,
+            value_outlier_c12,
+            value_outlier_c13,
+            value_outlier_c14,
+            value_outlier_c15,
+        )
 
         tile_1 = tile
 
@@ -1255,37 +1259,25 @@ def _flatten_kernel(
 
         code = value_bytes_0_0 & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_0 = tile
 
         code = (value_bytes_0_0 >> 2) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_1 = tile
 
         code = (value_bytes_0_0 >> 4) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_2 = tile
 
         code = (value_bytes_0_0 >> 6) & 3
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
         tile_3 = tile
 
@@ -1735,42 +1727,20 @@ def _decode_kernel(
                 key_outlier_bytes_0_0 = key_outlier_bytes_0_0.to(tl.int32)
                 code = key_outlier_bytes_0_0 & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_outlier_c1, key_outlier_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_outlier_c3, key_outlier_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_outlier_c5, key_outlier_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_outlier_c7, key_outlier_c6)
-                lut_0_4 = tl.where((code & 1) != 0, key_outlier_c9, key_outlier_c8)
-                lut_0_5 = tl.where((code & 1) != 0, key_outlier_c11, key_outlier_c10)
-                lut_0_6 = tl.where((code & 1) != 0, key_outlier_c13, key_outlier_c12)
-                lut_0_7 = tl.where((code & 1) != 0, key_outlier_c15, key_outlier_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code, key_outlier_c0, key_outlier_c1, key_outlier_c2, key_outlier_c3, key_outlier_c4,
+                    key_outlier_c5, key_outlier_c6, key_outlier_c7, key_outlier_c8, key_outlier_c9, key_outlier_c10,
+                    key_outlier_c11, key_outlier_c12, key_outlier_c13, key_outlier_c14, key_outlier_c15,
+                )
 
                 dots = _mm(query_outlier_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_outlier_bytes_0_0 >> 4) & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, key_outlier_c1, key_outlier_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_outlier_c3, key_outlier_c2)
-                lut_0_2 = tl.where((code & 1) != 0, key_outlier_c5, key_outlier_c4)
-                lut_0_3 = tl.where((code & 1) != 0, key_outlier_c7, key_outlier_c6)
-                lut_0_4 = tl.where((code & 1) != 0, key_outlier_c9, key_outlier_c8)
-                lut_0_5 = tl.where((code & 1) != 0, key_outlier_c11, key_outlier_c10)
-                lut_0_6 = tl.where((code & 1) != 0, key_outlier_c13, key_outlier_c12)
-                lut_0_7 = tl.where((code & 1) != 0, key_outlier_c15, key_outlier_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code, key_outlier_c0, key_outlier_c1, key_outlier_c2, key_outlier_c3, key_outlier_c4,
+                    key_outlier_c5, key_outlier_c6, key_outlier_c7, key_outlier_c8, key_outlier_c9, key_outlier_c10,
+                    key_outlier_c11, key_outlier_c12, key_outlier_c13, key_outlier_c14, key_outlier_c15,
+                )
 
                 dots += _mm(query_outlier_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
@@ -1795,34 +1765,22 @@ def _decode_kernel(
                 key_bytes_0_0 = key_bytes_0_0.to(tl.int32)
                 code = key_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots = _mm(query_0, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_1, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_2, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 dots += _mm(query_3, tl.trans(tile.to(DOT_DTYPE)), DOT_PRECISION)
 
@@ -1875,42 +1833,48 @@ def _decode_kernel(
                 value_outlier_bytes_0_0 = value_outlier_bytes_0_0.to(tl.int32)
                 code = value_outlier_bytes_0_0 & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, value_outlier_c1, value_outlier_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_outlier_c3, value_outlier_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_outlier_c5, value_outlier_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_outlier_c7, value_outlier_c6)
-                lut_0_4 = tl.where((code & 1) != 0, value_outlier_c9, value_outlier_c8)
-                lut_0_5 = tl.where((code & 1) != 0, value_outlier_c11, value_outlier_c10)
-                lut_0_6 = tl.where((code & 1) != 0, value_outlier_c13, value_outlier_c12)
-                lut_0_7 = tl.where((code & 1) != 0, value_outlier_c15, value_outlier_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code,
+                    value_outlier_c0,
+                    value_outlier_c1,
+                    value_outlier_c2,
+                    value_outlier_c3,
+                    value_outlier_c4,
+                    value_outlier_c5,
+                    value_outlier_c6,
+                    value_outlier_c7,
+                    value_outlier_c8,
+                    value_outlier_c9,
+                    value_outlier_c10,
+                    value_outlier_c11,
+                    value_outlier_c12,
+                    value_outlier_c13,
+                    value_outlier_c14,
+                    value_outlier_c15,
+                )
 
                 acc_outlier_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_outlier_0)
                 code = (value_outlier_bytes_0_0 >> 4) & 15
 
-                lut_0_0 = tl.where((code & 1) != 0, value_outlier_c1, value_outlier_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_outlier_c3, value_outlier_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_outlier_c5, value_outlier_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_outlier_c7, value_outlier_c6)
-                lut_0_4 = tl.where((code & 1) != 0, value_outlier_c9, value_outlier_c8)
-                lut_0_5 = tl.where((code & 1) != 0, value_outlier_c11, value_outlier_c10)
-                lut_0_6 = tl.where((code & 1) != 0, value_outlier_c13, value_outlier_c12)
-                lut_0_7 = tl.where((code & 1) != 0, value_outlier_c15, value_outlier_c14)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_1_2 = tl.where((code & 2) != 0, lut_0_5, lut_0_4)
-                lut_1_3 = tl.where((code & 2) != 0, lut_0_7, lut_0_6)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                lut_2_1 = tl.where((code & 4) != 0, lut_1_3, lut_1_2)
-                lut_3_0 = tl.where((code & 8) != 0, lut_2_1, lut_2_0)
-                tile = lut_3_0
+                tile = _codebook_16(
+                    code,
+                    value_outlier_c0,
+                    value_outlier_c1,
+                    value_outlier_c2,
+                    value_outlier_c3,
+                    value_outlier_c4,
+                    value_outlier_c5,
+                    value_outlier_c6,
+                    value_outlier_c7,
+                    value_outlier_c8,
+                    value_outlier_c9,
+                    value_outlier_c10,
+                    value_outlier_c11,
+                    value_outlier_c12,
+                    value_outlier_c13,
+                    value_outlier_c14,
+                    value_outlier_c15,
+                )
 
                 acc_outlier_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_outlier_1)
 
@@ -1935,34 +1899,22 @@ def _decode_kernel(
                 value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
                 code = value_bytes_0_0 & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
                 code = (value_bytes_0_0 >> 2) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
                 code = (value_bytes_0_0 >> 4) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
                 code = (value_bytes_0_0 >> 6) & 3
 
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
                 acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
 

@@ -191,6 +191,30 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
+def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
+    """Entry index & 7 of a codebook of 8 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    return lut_2_0
+
+
+@triton.jit
 def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION: tl.constexpr):
     """S x, the QJL projection of query rows x [ROWS, WIDTH] in position order (S: WIDTH x WIDTH float32 at
     qjl_ptr), stored at out_ptr's rows `row` where `real`: the operand of K's sign tiles' dot. BLOCK rows of S a dot,
@@ -957,10 +981,7 @@ def _flatten_kernel(
         code = key_bytes_0_0 & 1
         code = code | ((key_bytes_1_0 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -971,10 +992,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 1) & 1
         code = code | ((key_bytes_1_1 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -985,10 +1003,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 2) & 1
         code = code | (((key_bytes_1_0 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -999,10 +1014,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 3) & 1
         code = code | (((key_bytes_1_1 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -1013,10 +1025,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 4) & 1
         code = code | (((key_bytes_1_0 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -1027,10 +1036,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 5) & 1
         code = code | (((key_bytes_1_1 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -1041,10 +1047,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 6) & 1
         code = code | (((key_bytes_1_0 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -1055,10 +1058,7 @@ def _flatten_kernel(
         code = (key_bytes_0_0 >> 7) & 1
         code = code | (((key_bytes_1_1 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-        lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        tile = lut_1_0
+        tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
         positive = (code & 4) != 0
         signs = tl.where(positive, 1.0, -1.0)
@@ -1307,112 +1307,56 @@ def _flatten_kernel(
         code = value_bytes_0_0 & 1
         code = code | ((value_bytes_1_0 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_0 = tile
 
         code = (value_bytes_0_0 >> 1) & 1
         code = code | ((value_bytes_1_1 & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_1 = tile
 
         code = (value_bytes_0_0 >> 2) & 1
         code = code | (((value_bytes_1_0 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_2 = tile
 
         code = (value_bytes_0_0 >> 3) & 1
         code = code | (((value_bytes_1_1 >> 2) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_3 = tile
 
         code = (value_bytes_0_0 >> 4) & 1
         code = code | (((value_bytes_1_0 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_4 = tile
 
         code = (value_bytes_0_0 >> 5) & 1
         code = code | (((value_bytes_1_1 >> 4) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_5 = tile
 
         code = (value_bytes_0_0 >> 6) & 1
         code = code | (((value_bytes_1_0 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_6 = tile
 
         code = (value_bytes_0_0 >> 7) & 1
         code = code | (((value_bytes_1_1 >> 6) & 3) << 1)
 
-        lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-        lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-        lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-        lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-        lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-        lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-        lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-        tile = lut_2_0
+        tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
         tile_7 = tile
 
@@ -1911,10 +1855,7 @@ def _decode_kernel(
                 key_pair_1_0 = key_pair_1_0.to(tl.int32)
                 code = (key_pair_0 >> key_upper_bits) & 1
                 code = code | ((key_pair_1_0 & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
@@ -1923,10 +1864,7 @@ def _decode_kernel(
                 dots_qjl = _mm(query_qjl_p0, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_pair_0 >> (2 + key_upper_bits)) & 1
                 code = code | (((key_pair_1_0 >> 2) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
@@ -1935,10 +1873,7 @@ def _decode_kernel(
                 dots_qjl += _mm(query_qjl_p1, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_pair_0 >> (4 + key_upper_bits)) & 1
                 code = code | (((key_pair_1_0 >> 4) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
@@ -1947,10 +1882,7 @@ def _decode_kernel(
                 dots_qjl += _mm(query_qjl_p2, tl.trans(signs.to(DOT_DTYPE)), DOT_PRECISION)
                 code = (key_pair_0 >> (6 + key_upper_bits)) & 1
                 code = code | (((key_pair_1_0 >> 6) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, key_c1, key_c0)
-                lut_0_1 = tl.where((code & 1) != 0, key_c3, key_c2)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                tile = lut_1_0
+                tile = _codebook_4(code, key_c0, key_c1, key_c2, key_c3)
 
                 positive = (code & 4) != 0
                 signs = tl.where(positive, 1.0, -1.0)
@@ -2013,50 +1945,22 @@ def _decode_kernel(
                 value_pair_1_0 = value_pair_1_0.to(tl.int32)
                 code = (value_pair_0 >> value_upper_bits) & 1
                 code = code | ((value_pair_1_0 & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
                 code = (value_pair_0 >> (2 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 2) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
                 code = (value_pair_0 >> (4 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 4) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
                 code = (value_pair_0 >> (6 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 6) & 3) << 1)
-                lut_0_0 = tl.where((code & 1) != 0, value_c1, value_c0)
-                lut_0_1 = tl.where((code & 1) != 0, value_c3, value_c2)
-                lut_0_2 = tl.where((code & 1) != 0, value_c5, value_c4)
-                lut_0_3 = tl.where((code & 1) != 0, value_c7, value_c6)
-                lut_1_0 = tl.where((code & 2) != 0, lut_0_1, lut_0_0)
-                lut_1_1 = tl.where((code & 2) != 0, lut_0_3, lut_0_2)
-                lut_2_0 = tl.where((code & 4) != 0, lut_1_1, lut_1_0)
-                tile = lut_2_0
+                tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
                 acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
 

@@ -1027,6 +1027,11 @@ class SideLayout:
         return tuple(range(self.levels)) if self.scalar_codebook else ()
 
     @property
+    def centroid_names(self) -> str:
+        """Those scalars as the arguments of the module's `_codebook_<levels>` select tree."""
+        return ", ".join(f"{self.name}_c{i}" for i in self.centroid_scalars)
+
+    @property
     def grid_levels(self) -> tuple[int, int]:
         """The lowest and highest level of a uniform grid: 0 .. levels - 1 above `zero` (minmax), -top .. top around
         zero (absmax)."""
@@ -1076,16 +1081,6 @@ class SideLayout:
         """`x_%d` (a chunk, its index left to fill in) with any padding columns replaced by `fill`, to keep them out of
         a minimum or a maximum."""
         return f"tl.where({self.name}_in[None, :], x_%d, float('{fill}'))" if self.padded else "x_%d"
-
-    def lookup_steps(self, index: str) -> tuple[tuple[str, str, str, str], ...]:
-        """A scalar codebook's select tree on the bits of `index`, least significant first: (variable, bit, the
-        entry where the bit is set, where it is clear) for each select; the last variable holds the centroid."""
-        out = []
-        for level in range(self.level_bits):
-            entry = f"{self.name}_c%d" if level == 0 else f"lut_{level - 1}_%d"
-            for j in range(self.levels // 2 ** (level + 1)):
-                out.append((f"lut_{level}_{j}", f"({index} & {2 ** level}) != 0", entry % (2 * j + 1), entry % (2 * j)))
-        return tuple(out)
 
     @property
     def probes(self) -> int:
@@ -1360,6 +1355,11 @@ class Layout:
     def any_fast_cell(self) -> bool:
         """Some side's fill takes a compiled cell search: the fill kernel's FAST_CELL."""
         return any(side.fast_cell for side in self.sides)
+
+    @property
+    def codebook_sizes(self) -> tuple[int, ...]:
+        """The entry counts of the scalar codebooks some side selects from (module.py.j2's `_codebook_<levels>`)."""
+        return tuple(sorted({side.levels for side in self.sides if side.scalar_codebook}))
 
     @property
     def cell_helpers(self) -> tuple[SideLayout, ...]:

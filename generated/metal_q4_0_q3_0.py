@@ -185,6 +185,15 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _exact_dot(x, b):
+    """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16: two fp16 dots of x's halves
+    (hi + lo hold 22 significant bits), float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.dot(lo, b, tl.dot(hi, b))
+
+
+@triton.jit
 def _walsh_hadamard(x, WIDTH: tl.constexpr):
     """x @ H_WIDTH (Sylvester's order, entries +-1, not normalized) along the last axis of x [rows, WIDTH],
     float32: log2(WIDTH) butterfly passes of exact adds and subtracts, so decode rotates its few query and output
@@ -335,14 +344,8 @@ def _fill_kernel(
             x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
             largest = tl.maximum(tl.max(tl.abs(x_0), axis=1), tl.max(tl.abs(x_1), axis=1))
             spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = x_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            x_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-            tile = x_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            x_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+            x_0 = _exact_dot(x_0 * spread[:, None], key_hadamard)
+            x_1 = _exact_dot(x_1 * spread[:, None], key_hadamard)
             largest = largest * (1.0 / HEAD_DIM ** 0.5)
         twin = x_0 - x_1
         x_0 = x_0 + x_1
@@ -507,38 +510,14 @@ def _fill_kernel(
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile = x_0 * spread[:, None]
-            hi_0 = tile.to(tl.float16)
-            lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-            x_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-            tile = x_1 * spread[:, None]
-            hi_1 = tile.to(tl.float16)
-            lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-            x_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-            tile = x_2 * spread[:, None]
-            hi_2 = tile.to(tl.float16)
-            lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-            x_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-            tile = x_3 * spread[:, None]
-            hi_3 = tile.to(tl.float16)
-            lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-            x_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-            tile = x_4 * spread[:, None]
-            hi_4 = tile.to(tl.float16)
-            lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-            x_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
-            tile = x_5 * spread[:, None]
-            hi_5 = tile.to(tl.float16)
-            lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-            x_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
-            tile = x_6 * spread[:, None]
-            hi_6 = tile.to(tl.float16)
-            lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-            x_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
-            tile = x_7 * spread[:, None]
-            hi_7 = tile.to(tl.float16)
-            lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-            x_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+            x_0 = _exact_dot(x_0 * spread[:, None], value_hadamard)
+            x_1 = _exact_dot(x_1 * spread[:, None], value_hadamard)
+            x_2 = _exact_dot(x_2 * spread[:, None], value_hadamard)
+            x_3 = _exact_dot(x_3 * spread[:, None], value_hadamard)
+            x_4 = _exact_dot(x_4 * spread[:, None], value_hadamard)
+            x_5 = _exact_dot(x_5 * spread[:, None], value_hadamard)
+            x_6 = _exact_dot(x_6 * spread[:, None], value_hadamard)
+            x_7 = _exact_dot(x_7 * spread[:, None], value_hadamard)
             largest = largest * (1.0 / HEAD_DIM ** 0.5)
         twin = x_0 - x_1
         x_0 = x_0 + x_1
@@ -764,21 +743,16 @@ def _flatten_kernel(
             if key_out_ptr.dtype.element_ty == tl.float32:
                 largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
                 spread = 1.0 / tl.maximum(largest, 1e-30)
-                tile = tile_0 * spread[:, None]
-                hi_0 = tile.to(tl.float16)
-                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-                tile_0 = tl.dot(lo_0, key_hadamard, tl.dot(hi_0, key_hadamard))
-                tile = tile_1 * spread[:, None]
-                hi_1 = tile.to(tl.float16)
-                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-                tile_1 = tl.dot(lo_1, key_hadamard, tl.dot(hi_1, key_hadamard))
+                tile_0 = _exact_dot(tile_0 * spread[:, None], key_hadamard)
+                tile_1 = _exact_dot(tile_1 * spread[:, None], key_hadamard)
             else:
+                # The hi halves alone, for an fp16 or bf16 output: their rounding (2^-11 of the row's largest entry)
+                # adds
+                # about as much error as the output's own.
                 largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
                 spread = 1.0 / tl.maximum(largest, 1e-30)
-                hi_0 = (tile_0 * spread[:, None]).to(tl.float16)
-                tile_0 = tl.dot(hi_0, key_hadamard)
-                hi_1 = (tile_1 * spread[:, None]).to(tl.float16)
-                tile_1 = tl.dot(hi_1, key_hadamard)
+                tile_0 = tl.dot((tile_0 * spread[:, None]).to(tl.float16), key_hadamard)
+                tile_1 = tl.dot((tile_1 * spread[:, None]).to(tl.float16), key_hadamard)
             twin = tile_0 - tile_1
             tile_0 = tile_0 + tile_1
             tile_1 = twin
@@ -901,38 +875,14 @@ def _flatten_kernel(
                     ),
                 )
                 spread = 1.0 / tl.maximum(largest, 1e-30)
-                tile = tile_0 * spread[:, None]
-                hi_0 = tile.to(tl.float16)
-                lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
-                tile_0 = tl.dot(lo_0, value_hadamard, tl.dot(hi_0, value_hadamard))
-                tile = tile_1 * spread[:, None]
-                hi_1 = tile.to(tl.float16)
-                lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
-                tile_1 = tl.dot(lo_1, value_hadamard, tl.dot(hi_1, value_hadamard))
-                tile = tile_2 * spread[:, None]
-                hi_2 = tile.to(tl.float16)
-                lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
-                tile_2 = tl.dot(lo_2, value_hadamard, tl.dot(hi_2, value_hadamard))
-                tile = tile_3 * spread[:, None]
-                hi_3 = tile.to(tl.float16)
-                lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
-                tile_3 = tl.dot(lo_3, value_hadamard, tl.dot(hi_3, value_hadamard))
-                tile = tile_4 * spread[:, None]
-                hi_4 = tile.to(tl.float16)
-                lo_4 = (tile - hi_4.to(tl.float32)).to(tl.float16)
-                tile_4 = tl.dot(lo_4, value_hadamard, tl.dot(hi_4, value_hadamard))
-                tile = tile_5 * spread[:, None]
-                hi_5 = tile.to(tl.float16)
-                lo_5 = (tile - hi_5.to(tl.float32)).to(tl.float16)
-                tile_5 = tl.dot(lo_5, value_hadamard, tl.dot(hi_5, value_hadamard))
-                tile = tile_6 * spread[:, None]
-                hi_6 = tile.to(tl.float16)
-                lo_6 = (tile - hi_6.to(tl.float32)).to(tl.float16)
-                tile_6 = tl.dot(lo_6, value_hadamard, tl.dot(hi_6, value_hadamard))
-                tile = tile_7 * spread[:, None]
-                hi_7 = tile.to(tl.float16)
-                lo_7 = (tile - hi_7.to(tl.float32)).to(tl.float16)
-                tile_7 = tl.dot(lo_7, value_hadamard, tl.dot(hi_7, value_hadamard))
+                tile_0 = _exact_dot(tile_0 * spread[:, None], value_hadamard)
+                tile_1 = _exact_dot(tile_1 * spread[:, None], value_hadamard)
+                tile_2 = _exact_dot(tile_2 * spread[:, None], value_hadamard)
+                tile_3 = _exact_dot(tile_3 * spread[:, None], value_hadamard)
+                tile_4 = _exact_dot(tile_4 * spread[:, None], value_hadamard)
+                tile_5 = _exact_dot(tile_5 * spread[:, None], value_hadamard)
+                tile_6 = _exact_dot(tile_6 * spread[:, None], value_hadamard)
+                tile_7 = _exact_dot(tile_7 * spread[:, None], value_hadamard)
             else:
                 # The codebook's values as they stand (the row factor follows the matrix).
                 largest = tl.full([BLOCK_T], 1.0, tl.float32)

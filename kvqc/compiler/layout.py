@@ -1357,6 +1357,11 @@ class Layout:
         return any(side.fast_cell for side in self.sides)
 
     @property
+    def rotates_in_blocks(self) -> bool:
+        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), with module.py.j2's `_exact_dot`."""
+        return any(side.hadamard_blocks for side in self.sides)
+
+    @property
     def codebook_sizes(self) -> tuple[int, ...]:
         """The entry counts of the scalar codebooks some side selects from (module.py.j2's `_codebook_<levels>`)."""
         return tuple(sorted({side.levels for side in self.sides if side.scalar_codebook}))

@@ -213,9 +213,10 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
-def _exact_dot(x, b):
-    """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16: two fp16 dots of x's halves
-    (hi + lo hold 22 significant bits), float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
+def _halves_dot(x, b):
+    """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16, as two fp16 dots of x's halves
+    with float32 accumulation: hi + lo hold 22 significant bits of x and their products with b are exact, near
+    float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
     hi = x.to(tl.float16)
     lo = (x - hi.to(tl.float32)).to(tl.float16)
     return tl.dot(lo, b, tl.dot(hi, b))
@@ -250,7 +251,8 @@ def _codebook_4(index, c0, c1, c2, c3):
 @triton.jit
 def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundary b1 below |value|."""
+    positive boundary b1 below |value|.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code = tl.inline_asm_elementwise(
             asm="""{
@@ -282,7 +284,8 @@ def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
 @triton.jit
 def _symmetric_cell_2_magnitude(value, b1, c0, c1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundary b1 below |value|. And c[level], the centroid's magnitude."""
+    positive boundary b1 below |value|. And c[level], the centroid's magnitude.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code, centroid = tl.inline_asm_elementwise(
             asm="""{
@@ -422,10 +425,10 @@ def _fill_kernel(
             ),
         )
         spread = 1.0 / tl.maximum(largest, 1e-30)
-        x_0 = _exact_dot(x_0 * spread[:, None], key_hadamard)
-        x_1 = _exact_dot(x_1 * spread[:, None], key_hadamard)
-        x_2 = _exact_dot(x_2 * spread[:, None], key_hadamard)
-        x_3 = _exact_dot(x_3 * spread[:, None], key_hadamard)
+        x_0 = _halves_dot(x_0 * spread[:, None], key_hadamard)
+        x_1 = _halves_dot(x_1 * spread[:, None], key_hadamard)
+        x_2 = _halves_dot(x_2 * spread[:, None], key_hadamard)
+        x_3 = _halves_dot(x_3 * spread[:, None], key_hadamard)
         largest = largest * (1.0 / HEAD_DIM ** 0.5)
         twin = x_0 - x_1
         x_0 = x_0 + x_1
@@ -532,10 +535,10 @@ def _fill_kernel(
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
-            x_0 = _exact_dot(x_0 * spread[:, None], value_hadamard)
-            x_1 = _exact_dot(x_1 * spread[:, None], value_hadamard)
-            x_2 = _exact_dot(x_2 * spread[:, None], value_hadamard)
-            x_3 = _exact_dot(x_3 * spread[:, None], value_hadamard)
+            x_0 = _halves_dot(x_0 * spread[:, None], value_hadamard)
+            x_1 = _halves_dot(x_1 * spread[:, None], value_hadamard)
+            x_2 = _halves_dot(x_2 * spread[:, None], value_hadamard)
+            x_3 = _halves_dot(x_3 * spread[:, None], value_hadamard)
             largest = largest * (1.0 / HEAD_DIM ** 0.5)
         twin = x_0 - x_1
         x_0 = x_0 + x_1
@@ -736,10 +739,10 @@ def _flatten_kernel(
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile_0 = _exact_dot(tile_0 * spread[:, None], key_hadamard)
-            tile_1 = _exact_dot(tile_1 * spread[:, None], key_hadamard)
-            tile_2 = _exact_dot(tile_2 * spread[:, None], key_hadamard)
-            tile_3 = _exact_dot(tile_3 * spread[:, None], key_hadamard)
+            tile_0 = _halves_dot(tile_0 * spread[:, None], key_hadamard)
+            tile_1 = _halves_dot(tile_1 * spread[:, None], key_hadamard)
+            tile_2 = _halves_dot(tile_2 * spread[:, None], key_hadamard)
+            tile_3 = _halves_dot(tile_3 * spread[:, None], key_hadamard)
         else:
             # The codebook's values as they stand (the row factor follows the matrix).
             largest = tl.full([BLOCK_T], 1.0, tl.float32)
@@ -879,10 +882,10 @@ def _flatten_kernel(
                 ),
             )
             spread = 1.0 / tl.maximum(largest, 1e-30)
-            tile_0 = _exact_dot(tile_0 * spread[:, None], value_hadamard)
-            tile_1 = _exact_dot(tile_1 * spread[:, None], value_hadamard)
-            tile_2 = _exact_dot(tile_2 * spread[:, None], value_hadamard)
-            tile_3 = _exact_dot(tile_3 * spread[:, None], value_hadamard)
+            tile_0 = _halves_dot(tile_0 * spread[:, None], value_hadamard)
+            tile_1 = _halves_dot(tile_1 * spread[:, None], value_hadamard)
+            tile_2 = _halves_dot(tile_2 * spread[:, None], value_hadamard)
+            tile_3 = _halves_dot(tile_3 * spread[:, None], value_hadamard)
         else:
             # The codebook's values as they stand (the row factor follows the matrix).
             largest = tl.full([BLOCK_T], 1.0, tl.float32)

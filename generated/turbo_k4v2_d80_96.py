@@ -172,7 +172,8 @@ def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
 def _symmetric_cell_4_sign3(value, b1, b2, b3, c0, c1, c2, c3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
     positive boundaries b1 < ... < b3 below |value|. And the residual value - (+-c[level]), whose
-    sign (>= 0) sets bit 3 of the code."""
+    sign (>= 0) sets bit 3 of the code.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code, residual = tl.inline_asm_elementwise(
             asm="""{
@@ -227,7 +228,8 @@ def _symmetric_cell_4_sign3(value, b1, b2, b3, c0, c1, c2, c3, FAST_CELL: tl.con
 @triton.jit
 def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundary b1 below |value|."""
+    positive boundary b1 below |value|.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code = tl.inline_asm_elementwise(
             asm="""{

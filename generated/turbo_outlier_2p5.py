@@ -275,7 +275,8 @@ def _codebook_16(index, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c
 @triton.jit
 def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 8 + level above 0, 7 - level at or below, where level counts the
-    positive boundaries b1 < ... < b7 below |value|."""
+    positive boundaries b1 < ... < b7 below |value|.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code = tl.inline_asm_elementwise(
             asm="""{
@@ -331,7 +332,8 @@ def _symmetric_cell_8(value, b1, b2, b3, b4, b5, b6, b7, FAST_CELL: tl.constexpr
 @triton.jit
 def _symmetric_cell_2(value, b1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundary b1 below |value|."""
+    positive boundary b1 below |value|.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code = tl.inline_asm_elementwise(
             asm="""{

@@ -175,9 +175,10 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
-def _exact_dot(x, b):
-    """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16: two fp16 dots of x's halves
-    (hi + lo hold 22 significant bits), float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
+def _halves_dot(x, b):
+    """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16, as two fp16 dots of x's halves
+    with float32 accumulation: hi + lo hold 22 significant bits of x and their products with b are exact, near
+    float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
     hi = x.to(tl.float16)
     lo = (x - hi.to(tl.float32)).to(tl.float16)
     return tl.dot(lo, b, tl.dot(hi, b))
@@ -249,7 +250,8 @@ def _concat(a, b):
 @triton.jit
 def _symmetric_cell_2_signed(value, b1, c0, c1, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 2 + level above 0, 1 - level at or below, where level counts the
-    positive boundary b1 below |value|. And the centroid +-c[level], with the value's sign."""
+    positive boundary b1 below |value|. And the centroid +-c[level], with the value's sign.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code, centroid = tl.inline_asm_elementwise(
             asm="""{
@@ -288,7 +290,8 @@ def _symmetric_cell_2_signed(value, b1, c0, c1, FAST_CELL: tl.constexpr):
 @triton.jit
 def _symmetric_cell_4(value, b1, b2, b3, FAST_CELL: tl.constexpr):
     """The symmetric cell of each value: code 4 + level above 0, 3 - level at or below, where level counts the
-    positive boundaries b1 < ... < b3 below |value|."""
+    positive boundaries b1 < ... < b3 below |value|.
+    PTX with FAST_CELL (compiled CUDA), Triton compares otherwise."""
     if FAST_CELL:
         code = tl.inline_asm_elementwise(
             asm="""{
@@ -471,14 +474,14 @@ def _fill_kernel(
             ),
         )
         spread = 1.0 / tl.maximum(largest, 1e-30)
-        x_0 = _exact_dot(x_0 * spread[:, None], key_hadamard)
-        x_1 = _exact_dot(x_1 * spread[:, None], key_hadamard)
-        x_2 = _exact_dot(x_2 * spread[:, None], key_hadamard)
-        x_3 = _exact_dot(x_3 * spread[:, None], key_hadamard)
-        x_4 = _exact_dot(x_4 * spread[:, None], key_hadamard)
-        x_5 = _exact_dot(x_5 * spread[:, None], key_hadamard)
-        x_6 = _exact_dot(x_6 * spread[:, None], key_hadamard)
-        x_7 = _exact_dot(x_7 * spread[:, None], key_hadamard)
+        x_0 = _halves_dot(x_0 * spread[:, None], key_hadamard)
+        x_1 = _halves_dot(x_1 * spread[:, None], key_hadamard)
+        x_2 = _halves_dot(x_2 * spread[:, None], key_hadamard)
+        x_3 = _halves_dot(x_3 * spread[:, None], key_hadamard)
+        x_4 = _halves_dot(x_4 * spread[:, None], key_hadamard)
+        x_5 = _halves_dot(x_5 * spread[:, None], key_hadamard)
+        x_6 = _halves_dot(x_6 * spread[:, None], key_hadamard)
+        x_7 = _halves_dot(x_7 * spread[:, None], key_hadamard)
         largest = largest * (1.0 / HEAD_DIM ** 0.5)
     twin = x_0 - x_1
     x_0 = x_0 + x_1
@@ -725,14 +728,14 @@ def _fill_kernel(
             ),
         )
         spread = 1.0 / tl.maximum(largest, 1e-30)
-        x_0 = _exact_dot(x_0 * spread[:, None], value_hadamard)
-        x_1 = _exact_dot(x_1 * spread[:, None], value_hadamard)
-        x_2 = _exact_dot(x_2 * spread[:, None], value_hadamard)
-        x_3 = _exact_dot(x_3 * spread[:, None], value_hadamard)
-        x_4 = _exact_dot(x_4 * spread[:, None], value_hadamard)
-        x_5 = _exact_dot(x_5 * spread[:, None], value_hadamard)
-        x_6 = _exact_dot(x_6 * spread[:, None], value_hadamard)
-        x_7 = _exact_dot(x_7 * spread[:, None], value_hadamard)
+        x_0 = _halves_dot(x_0 * spread[:, None], value_hadamard)
+        x_1 = _halves_dot(x_1 * spread[:, None], value_hadamard)
+        x_2 = _halves_dot(x_2 * spread[:, None], value_hadamard)
+        x_3 = _halves_dot(x_3 * spread[:, None], value_hadamard)
+        x_4 = _halves_dot(x_4 * spread[:, None], value_hadamard)
+        x_5 = _halves_dot(x_5 * spread[:, None], value_hadamard)
+        x_6 = _halves_dot(x_6 * spread[:, None], value_hadamard)
+        x_7 = _halves_dot(x_7 * spread[:, None], value_hadamard)
         largest = largest * (1.0 / HEAD_DIM ** 0.5)
     twin = x_0 - x_1
     x_0 = x_0 + x_1
@@ -1086,14 +1089,14 @@ def _flatten_kernel(
                     ),
                 )
                 spread = 1.0 / tl.maximum(largest, 1e-30)
-                tile_0 = _exact_dot(tile_0 * spread[:, None], key_hadamard)
-                tile_1 = _exact_dot(tile_1 * spread[:, None], key_hadamard)
-                tile_2 = _exact_dot(tile_2 * spread[:, None], key_hadamard)
-                tile_3 = _exact_dot(tile_3 * spread[:, None], key_hadamard)
-                tile_4 = _exact_dot(tile_4 * spread[:, None], key_hadamard)
-                tile_5 = _exact_dot(tile_5 * spread[:, None], key_hadamard)
-                tile_6 = _exact_dot(tile_6 * spread[:, None], key_hadamard)
-                tile_7 = _exact_dot(tile_7 * spread[:, None], key_hadamard)
+                tile_0 = _halves_dot(tile_0 * spread[:, None], key_hadamard)
+                tile_1 = _halves_dot(tile_1 * spread[:, None], key_hadamard)
+                tile_2 = _halves_dot(tile_2 * spread[:, None], key_hadamard)
+                tile_3 = _halves_dot(tile_3 * spread[:, None], key_hadamard)
+                tile_4 = _halves_dot(tile_4 * spread[:, None], key_hadamard)
+                tile_5 = _halves_dot(tile_5 * spread[:, None], key_hadamard)
+                tile_6 = _halves_dot(tile_6 * spread[:, None], key_hadamard)
+                tile_7 = _halves_dot(tile_7 * spread[:, None], key_hadamard)
             else:
                 # The hi halves alone, for an fp16 or bf16 output: their rounding (2^-11 of the row's largest entry)
                 # adds
@@ -1329,14 +1332,14 @@ def _flatten_kernel(
                     ),
                 )
                 spread = 1.0 / tl.maximum(largest, 1e-30)
-                tile_0 = _exact_dot(tile_0 * spread[:, None], value_hadamard)
-                tile_1 = _exact_dot(tile_1 * spread[:, None], value_hadamard)
-                tile_2 = _exact_dot(tile_2 * spread[:, None], value_hadamard)
-                tile_3 = _exact_dot(tile_3 * spread[:, None], value_hadamard)
-                tile_4 = _exact_dot(tile_4 * spread[:, None], value_hadamard)
-                tile_5 = _exact_dot(tile_5 * spread[:, None], value_hadamard)
-                tile_6 = _exact_dot(tile_6 * spread[:, None], value_hadamard)
-                tile_7 = _exact_dot(tile_7 * spread[:, None], value_hadamard)
+                tile_0 = _halves_dot(tile_0 * spread[:, None], value_hadamard)
+                tile_1 = _halves_dot(tile_1 * spread[:, None], value_hadamard)
+                tile_2 = _halves_dot(tile_2 * spread[:, None], value_hadamard)
+                tile_3 = _halves_dot(tile_3 * spread[:, None], value_hadamard)
+                tile_4 = _halves_dot(tile_4 * spread[:, None], value_hadamard)
+                tile_5 = _halves_dot(tile_5 * spread[:, None], value_hadamard)
+                tile_6 = _halves_dot(tile_6 * spread[:, None], value_hadamard)
+                tile_7 = _halves_dot(tile_7 * spread[:, None], value_hadamard)
             else:
                 # The codebook's values as they stand (the row factor follows the matrix).
                 largest = tl.full([BLOCK_T], 1.0, tl.float32)

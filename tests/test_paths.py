@@ -41,18 +41,20 @@ def test_decode_takes_the_unpacking_its_plan_promises(name):
 
 @pytest.mark.parametrize("name", ALL_SCHEMES)
 def test_fill_takes_the_cell_search_its_plan_promises(name):
-    """The plan's compiled cell search for each side (SideLayout.cell_helper, kernels/cell.py.j2) is the helper the
-    fill kernel calls for it, behind FAST_CELL; a side the plan gives none calls no helper, and a layout without one
-    has no FAST_CELL branch."""
+    """The plan's cell search for each side (SideLayout.cell_helper, kernels/cell.py.j2) is the helper the fill
+    kernel calls for it, every call passing FAST_CELL, which the helper branches on (PTX or Triton compares); a side
+    the plan gives none calls no helper, and a layout without one leaves FAST_CELL unread."""
     m = generated(name)
     layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml"))
     source = inspect.getsource(m._fill_kernel.fn)
     for side in layout.sides:
-        calls = set(re.findall(rf"= (_symmetric_cell_\w+)\(\s*unit,\s*{side.name}_b\d", source))
-        assert calls == ({side.cell_helper} if side.cell_helper else set()), (side.name, calls)
+        calls = re.findall(rf"= (_symmetric_cell_\w+)\(\s*unit,\s*{side.name}_b\d[^()]*?(\w+),?\s*\)", source)
+        helpers = {helper for helper, _ in calls}
+        assert helpers == ({side.cell_helper} if side.cell_helper else set()), (side.name, calls)
+        assert all(last == "FAST_CELL" for _, last in calls), (side.name, calls)
         if side.cell_helper:
-            assert callable(getattr(m, side.cell_helper))
-    assert ("if FAST_CELL:" in source) == layout.any_fast_cell
+            assert "if FAST_CELL:" in inspect.getsource(getattr(m, side.cell_helper).fn)
+    assert ("FAST_CELL)" in source or "FAST_CELL,\n" in source) == layout.any_fast_cell
 
 
 @pytest.mark.parametrize("name", ["turbo_outlier_2p5", "turbo_k4v2_d80_96"])

@@ -1111,9 +1111,10 @@ class SideLayout:
 
     @property
     def fast_cell(self) -> str | None:
-        """Fill's compiled cell search (kernels/cell.py.j2) where the symmetric search scans, by what the helper
-        returns beside the code: "code" (nothing), "sign" (the residual, its sign already in the code), "signed"
-        (the centroid, with the value's sign) or "magnitude" (the centroid's magnitude). None: Triton only."""
+        """Fill's cell helper (kernels/cell.py.j2: PTX or Triton compares behind FAST_CELL) where the symmetric
+        search scans, by what it returns beside the code: "code" (nothing), "sign" (the residual, its sign already in
+        the code), "signed" (the centroid, with the value's sign) or "magnitude" (the centroid's magnitude). None: the
+        search is inline Triton (a sign test, a binary search or a sorted one)."""
         if self.cell_search != "scan":
             return None
         if not self.with_centroid:
@@ -1124,13 +1125,13 @@ class SideLayout:
 
     @property
     def cell_scalars(self) -> str:
-        """The boundaries and centroids fill passes its compiled cell search after the value, each after a comma."""
+        """The boundaries and centroids fill passes its cell helper after the value, each after a comma."""
         names = [f"{self.name}_b{i}" for i in self.fill_boundaries] + [f"{self.name}_c{i}" for i in self.fill_centroids]
         return "".join(f", {name}" for name in names)
 
     @property
     def cell_helper(self) -> str | None:
-        """The name of fill's compiled cell search (fast_cell), None without one."""
+        """The name of fill's cell helper (fast_cell), None without one."""
         kind = self.fast_cell
         if kind is None:
             return None
@@ -1353,12 +1354,13 @@ class Layout:
 
     @property
     def any_fast_cell(self) -> bool:
-        """Some side's fill takes a compiled cell search: the fill kernel's FAST_CELL."""
+        """Some side's fill calls a cell helper, which branches on the fill kernel's FAST_CELL."""
         return any(side.fast_cell for side in self.sides)
 
     @property
     def rotates_in_blocks(self) -> bool:
-        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), with module.py.j2's `_exact_dot`."""
+        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), by module.py.j2's
+        `_halves_dot`."""
         return any(side.hadamard_blocks for side in self.sides)
 
     @property
@@ -1368,7 +1370,7 @@ class Layout:
 
     @property
     def cell_helpers(self) -> tuple[SideLayout, ...]:
-        """One side for each distinct compiled cell search, in side order: kernels/cell.py.j2 defines each once."""
+        """One side for each distinct cell helper, in side order: kernels/cell.py.j2 defines each once."""
         out: dict[str, SideLayout] = {}
         for side in self.sides:
             if side.cell_helper and side.cell_helper not in out:

@@ -1384,7 +1384,7 @@ class Layout:
         matrix ones keep one tile a program, which is as fast for them. A QJL residual's projection does not loop
         either: pipelining its tiles takes a 4-warp program's shared memory (115.7 KiB at head_dim 128, one program
         an SM), one tile a program 16.9 KiB."""
-        return any(side.hadamard_blocks for side in self.sides) and not any(side.qjl for side in self.sides)
+        return self.rotates_in_blocks and not any(side.qjl for side in self.sides)
 
     @property
     def rotates_query(self) -> bool:

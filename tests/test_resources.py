@@ -1,16 +1,18 @@
 """kvqc resources without a GPU: kernels compiled for an H100 (sm_90) fit its shared memory. The interpreter that
-checks kernels on CPU has no such limit, and a GPU refuses a kernel that asks for more at its first launch."""
+checks kernels on CPU has no such limit, and a GPU refuses a kernel that asks for more at its first launch. And the
+decode estimate it prints from the compiled split kernel (kvqc/tools/estimate.py)."""
 
 import functools
 import json
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT
 
 from kvqc.compiler.layout import plan
 from kvqc.compiler.spec import load_scheme
 from kvqc.modules import SCHEMES
-from kvqc.tools import resources
+from kvqc.tools import estimate, resources
 
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "turbo_k4v2", "int8_token"])
@@ -73,3 +75,78 @@ def test_compiled_launches_pad_query_rows_as_the_installed_triton_needs():
     assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=1), "GROUP_PAD", 4) == 4
     assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=16), "GROUP_PAD", 32) == 32
     assert resources.compiled_value(SimpleNamespace(_DOT_ROWS=16), "FAST_UNPACK", False) is True
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R2, R0, 0x4, RZ ;
+        /*0020*/                   FFMA R3, R2, R2, R3 ;
+        /*0030*/               @P0 HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0040*/                   LOP3.LUT R5, R5, 0xf, RZ, 0xc0, !PT ;
+        /*0050*/               @P1 BRA 0x30 ;
+        /*0060*/                   ISETP.GE.AND P2, PT, R2, R3, PT ;
+        /*0070*/              @!P2 BRA 0x10 ;
+        /*0080*/                   FADD R6, R6, R7 ;
+        /*0090*/                   FMUL R6, R6, R7 ;
+        /*00a0*/                   BRA 0x80 ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_loop_instructions_counts_the_innermost_loop_with_tensor_core_work():
+    # 0x30..0x50 (3 instructions) is inside 0x10..0x70 (7); the loop at 0x80..0xa0 has no MMA and is not a tile loop.
+    assert resources.loop_instructions(SASS) == 3
+    assert resources.loop_instructions(SASS.replace("@P0 HMMA.16816.F32", "FMUL")) is None
+
+
+def test_warps_an_sm_take_the_tightest_limit():
+    def kernel(registers=128, shared=0, num_warps=1, programs=8):
+        return estimate.SplitKernel("k", 1000, 32, num_warps, registers, shared, programs)
+
+    assert kernel().warps_per_sm == 8  # the grid's 8 programs
+    assert kernel(registers=255).warps_per_sm == 8  # 256 a thread: 8 warps' registers
+    assert kernel(registers=255, programs=16).warps_per_sm == 8
+    assert kernel(registers=168, programs=16).warps_per_sm == 12
+    assert kernel(registers=168, num_warps=4, programs=8).warps_per_sm == 12  # 3 programs of 4 warps
+    assert kernel(shared=100_000, programs=8).warps_per_sm == 2  # two programs' shared memory
+
+
+def test_estimate_says_which_bound_sets_the_time():
+    fast = estimate.SplitKernel("k", 100, 32, 1, 128, 0, 8)
+    slow = estimate.SplitKernel("k", 5000, 32, 1, 128, 0, 8)
+    tokens = 8 * 8 * 32768
+    assert estimate.decode_us(fast, tokens, tokens * 264)[2] == "memory"
+    assert estimate.decode_us(slow, tokens, tokens * 264)[2] == "instructions"
+    us, floor, _ = estimate.decode_us(fast, tokens, tokens * 264)
+    assert us == pytest.approx(estimate.FIXED_US + floor / estimate.MEMORY_EFFICIENCY)
+
+
+@functools.lru_cache(maxsize=None)
+def split_kernel_rows(scheme: str, head_dim: int) -> tuple:
+    return tuple(row for row in resources.measure(scheme, head_dim, layout="bhsd")
+                 if row["kernel"] in resources.SPLIT_KERNELS)
+
+
+def test_the_estimate_reads_the_split_kernel_decode_takes():
+    # turbo_k4v2 at head_dim 128 decodes fp16 queries with the Gluon kernel (compiled here beside _decode_kernel),
+    # at 256 with _decode_kernel; int4_token has no Gluon kernel.
+    for scheme, head_dim, taken in (("turbo_k4v2", 128, "_decode_kernel_gluon"), ("turbo_k4v2", 256, "_decode_kernel"),
+                                    ("int4_token", 128, "_decode_kernel")):
+        rows = split_kernel_rows(scheme, head_dim)
+        assert [row["kernel"] for row in rows if "estimate" in row] == [taken], rows
+        for row in rows:
+            assert "error" not in row and row["loop_instructions"] > 100, row
+
+
+@pytest.mark.parametrize("scheme", ["int4_token", "turbo_k4v2", "int8_token"])
+def test_the_estimate_lands_near_the_benchmark(scheme):
+    # The committed H100 run (docs/bench-catalogue-h100.json) against the estimate for the kernels as compiled
+    # here: within the fit's spread (docs/benchmarks.md), which a changed kernel or a changed model would leave.
+    (row,) = [row for row in split_kernel_rows(scheme, 128) if "estimate" in row]
+    results = json.loads((ROOT / "docs" / "bench-catalogue-h100.json").read_text())["results"]
+    for shape, got in row["estimate"].items():
+        batch, context = map(int, shape.split("x"))
+        (run,) = [r for r in results if (r["scheme"], r["batch"], r["context"], r["head_dim"]) ==
+                  (scheme, batch, context, 128) and r["status"] == "ok"]
+        assert got["us"] == pytest.approx(run["kvqc_graph_ms"] * 1e3, rel=0.25), (shape, got, run["kvqc_graph_ms"])
+        assert got["floor_us"] == pytest.approx(run["floor_ms"] * 1e3, rel=0.01)  # the run's copy: 3000-3001 GB/s

@@ -20,6 +20,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ COMPILED = {"FAST_UNPACK": True, "FAST_CELL": True, "DOT_DTYPE": "fp16", "DOT_PR
 TYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16", "uint8": "u8", "int8": "i8", "int16": "i16",
          "int32": "i32", "int64": "i64", "bool": "i1"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+SPLIT_KERNELS = ("_decode_kernel", "_decode_kernel_gluon")  # decode's split-K kernels: the estimate reads their loop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         flag = "  too large" if row["shared"] > SM90_SHARED else ""
         print(f"{where} {row['shared']:>8} "
               f"{row['shared'] / SM90_SHARED:>8.0%} {row['registers'] or '-':>5} {row['stack'] or 0:>6}{flag}")
+    _print_estimates([row for row in rows if "estimate" in row])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 1 if any("error" in r or r["shared"] > SM90_SHARED for r in rows) else 0
@@ -159,9 +162,30 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
                 launch["label"] = f"{launch['kernel']}[{'loop,' * looped}{short}]"
     finally:
         kv._target_programs = target
+    first = len(launches)
     kv.decode(torch.randn(batch, q_heads, head_dim, dtype=torch.float16), cache, block_tables, seq_lens, **rows)
+    launches += _gluon_twins(kv, cache, q_heads // kv_heads, launches[first:])
     kv.flatten(cache, block_tables, seq_lens, **rows)
     return launches
+
+
+def _gluon_twins(kv, cache, group: int, decode_launches: list[dict]) -> list[dict]:
+    """_decode_kernel_gluon's launches, where decode takes it for fp16 queries on an H100: the module's own rule
+    (_gluon_decode), asked with its device checks (compiled CUDA, mma.sync) taken as met. It takes
+    _decode_kernel's arguments, on one warp with 32-token tiles, as decode launches it."""
+    import torch
+
+    if getattr(kv, "_decode_kernel_gluon", None) is None:
+        return []
+    saved = kv._GLUON, kv._mma_sync
+    kv._GLUON, kv._mma_sync = True, lambda device: True
+    try:
+        taken = kv._gluon_decode(torch.zeros(1, dtype=torch.float16), cache, group)
+    finally:
+        kv._GLUON, kv._mma_sync = saved
+    return [{"kernel": "_decode_kernel_gluon", "args": {**launch["args"], "BLOCK_N": ("value", 32)},
+             "options": {"num_warps": 1, "num_stages": launch["options"].get("num_stages", 3)}}
+            for launch in decode_launches if taken and launch["kernel"] == "_decode_kernel"]
 
 
 def compiled_value(module, name: str, value):
@@ -201,19 +225,43 @@ def compile_launch(module, launch: dict) -> dict:
             signature[name] = "fp32"
         if kind == "tensor" or (isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    if launch["kernel"].endswith("_gluon"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(kernel, signature, constants, attrs)
+    else:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as exc:  # a kernel that does not compile is a finding, reported like the others
         return {"kernel": label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
     registers, stack = _usage(compiled.asm["cubin"])
-    return {"kernel": label, "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
-            "options": launch["options"]}
+    row = {"kernel": label, "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
+           "options": launch["options"]}
+    if launch["kernel"] in SPLIT_KERNELS:
+        row["loop_instructions"] = loop_instructions(_cuobjdump("-sass", compiled.asm["cubin"]))
+        row["block_n"] = constants["BLOCK_N"]
+        row["num_warps"] = launch["options"].get("num_warps", 4)  # Triton's default
+    return row
 
 
-def _usage(cubin: bytes) -> tuple[int | None, int | None]:
-    """Registers per thread and stack bytes per thread (spills, or arrays ptxas could not keep in registers), as
-    cuobjdump, which ships with Triton's CUDA backend, reads them from the cubin."""
+def loop_instructions(sass: str) -> int | None:
+    """SASS instructions in the innermost loop that holds tensor-core instructions (a backward branch's span with an
+    MMA in it): a split kernel's tile, one warp's share; None where no loop has one."""
+    lines = [(int(at, 16), text) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = []
+    for at, text in lines:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) <= at:
+            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= at]
+            opcodes = [t.split()[1 if t.startswith("@") else 0] for t in body]  # past a predicate (@P0)
+            if any("MMA" in opcode for opcode in opcodes):
+                spans.append(len(body))
+    return min(spans) if spans else None
+
+
+def _cuobjdump(flag: str, cubin: bytes) -> str:
+    """cuobjdump's output for a cubin (it ships with Triton's CUDA backend)."""
     import tempfile
 
     from triton.backends.nvidia import compiler as nvidia
@@ -222,9 +270,34 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        out = subprocess.run([str(tool), "-res-usage", file.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), flag, file.name], capture_output=True, text=True).stdout
+
+
+def _usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """Registers per thread and stack bytes per thread (spills, or arrays ptxas could not keep in registers), as
+    cuobjdump reads them from the cubin."""
+    out = _cuobjdump("-res-usage", cubin)
     fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line for item in line.split())
     return (int(fields["REG"]), int(fields["STACK"])) if fields else (None, None)
+
+
+def _print_estimates(rows: list[dict]) -> None:
+    """Decode's estimated share of its floor on an H100 (kvqc/tools/estimate.py), per scheme, head_dim and layout."""
+    from kvqc.tools import estimate
+
+    if not rows:
+        return
+    shapes = [f"{b}x{n}" for b, n in estimate.SHAPES]
+    labels = [f"{b}x{n // 1024}k" for b, n in estimate.SHAPES]
+    print(f"\ndecode estimated for an H100 (a model, not a measurement: fp16 queries, {estimate.Q_HEADS} query / "
+          f"{estimate.KV_HEADS} KV heads; % of the byte floor, kvqc bench's measure)")
+    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'split kernel':<21} {'instr/tile':>10} {'tokens':>6} "
+          f"{'warps/SM':>8} " + " ".join(f"{label:>8}" for label in labels) + "  bound")
+    for row in rows:
+        cells = " ".join(f"{row['estimate'][shape]['fraction']:>8.0%}" for shape in shapes)
+        print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<21} "
+              f"{row['loop_instructions']:>10} {row['block_n']:>6} {row['warps_per_sm']:>8} {cells}  "
+              f"{row['estimate'][shapes[-1]]['bound']}")
 
 
 def _worker(step: str, scheme: str) -> None:
@@ -236,7 +309,33 @@ def _worker(step: str, scheme: str) -> None:
     import kvqc.modules
 
     module = kvqc.modules.load(scheme)
-    print(json.dumps([compile_launch(module, launch) for launch in json.loads(arg)]))
+    launches = json.loads(arg)
+    rows = [compile_launch(module, launch) for launch in launches]
+    _attach_estimate(module, launches, rows)
+    print(json.dumps(rows))
+
+
+def _attach_estimate(module, launches: list[dict], rows: list[dict]) -> None:
+    """The decode estimate (kvqc/tools/estimate.py) on the row of the split kernel decode takes for fp16 queries:
+    the Gluon kernel where it was recorded, else _decode_kernel."""
+    from kvqc.tools import estimate
+
+    pairs = [(launch, row) for launch, row in zip(launches, rows) if row.get("loop_instructions")]
+    pairs.sort(key=lambda pair: pair[0]["kernel"] != "_decode_kernel_gluon")
+    if not pairs:
+        return
+    launch, row = pairs[0]
+    head_dim = launch["args"]["HEAD_DIM"][1]
+    kernel = estimate.SplitKernel(
+        name=row["kernel"], loop_instructions=row["loop_instructions"], block_n=row["block_n"],
+        num_warps=row["num_warps"], registers=row["registers"], shared=row["shared"],
+        programs_per_sm=module._decode_config(head_dim)[3],
+    )
+    import torch
+
+    row["estimate"] = estimate.estimates(kernel, module.bytes_per_token(head_dim, torch.float16),
+                                         getattr(module, "WINDOW", 0), head_dim)
+    row["warps_per_sm"] = kernel.warps_per_sm
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""Decode's time on an H100 estimated from the compiled split kernel, without a GPU (`kvqc resources` prints it).
+
+A split program loops over its share of a sequence's tokens, BLOCK_N a tile. At long contexts its time is either the
+bytes it reads (the scheme's floor: codes and metadata at the copy bandwidth) or the instructions its warps issue,
+whichever is longer, plus a fixed cost a call (launch, the first loads, the merge):
+
+    issue   = tiles x warps a program x instructions a tile x cycles an instruction / (warps an SM x SMs x clock)
+    time    = FIXED_US + max(issue, floor / MEMORY_EFFICIENCY)
+
+"Instructions a tile" is the SASS of the kernel's innermost loop that holds its tensor-core instructions (cuobjdump
+reads the cubin that `kvqc resources` compiles for sm_90). Warps an SM are what the grid gives it (the module's
+split programs a multiprocessor, `_decode_config`), at most what its registers and shared memory let stay resident.
+The cycles an instruction (CYCLES_PER_INSTRUCTION, or CYCLES_PER_INSTRUCTION_WIDE for programs of four warps or
+more) and FIXED_US are fitted to the catalogue's benchmarks on an H100 (docs/benchmarks.md, "Decode estimated
+without a GPU", gives the fit and how far it lands from the measured times). A scheme whose loop issues more
+instructions per byte than the memory can feed is instruction-bound: the estimate says so before any run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# NVIDIA H100 80GB HBM3 (SXM) as kvqc bench measures it: SMs, the SM clock under load, device-to-device copy GB/s.
+SMS = 132
+CLOCK_HZ = 1.755e9
+COPY_GBPS = 3000.0
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 233472  # 228 KiB: what resident blocks share
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+# Fitted (see the module docstring): a warp's cycles per issued instruction with the SM's other resident warps
+# interleaved, in programs of one or two warps and of four or more (whose warps wait for one another at the layout
+# conversions inside a tile), and a call's fixed microseconds.
+CYCLES_PER_INSTRUCTION = 3.9
+CYCLES_PER_INSTRUCTION_WIDE = 6.7
+FIXED_US = 12.5
+MEMORY_EFFICIENCY = 0.97  # decode's reads against a copy's, at 32 x 32k (int8_token and fp8)
+Q_HEADS, KV_HEADS = 32, 8
+SHAPES = ((8, 8192), (8, 32768), (32, 32768))
+
+
+@dataclass(frozen=True)
+class SplitKernel:
+    """What the estimate reads off a compiled split kernel and its module."""
+
+    name: str
+    loop_instructions: int  # one warp's SASS instructions a tile
+    block_n: int  # tokens a tile
+    num_warps: int
+    registers: int  # a thread's
+    shared: int  # bytes a program
+    programs_per_sm: int  # what the plan's grid gives an SM (_decode_config's splits a multiprocessor)
+
+    @property
+    def warps_per_sm(self) -> int:
+        """Resident warps an SM: the grid's programs, at most what registers (allocated 8 a thread at a time),
+        shared memory and the SM's limits allow."""
+        per_warp = -(-self.registers // 8) * 8 * 32
+        by_registers = REGISTERS_PER_SM // per_warp // self.num_warps
+        by_shared = SHARED_PER_SM // self.shared if self.shared else MAX_BLOCKS_PER_SM
+        programs = min(self.programs_per_sm, by_registers, by_shared, MAX_BLOCKS_PER_SM,
+                       MAX_WARPS_PER_SM // self.num_warps)
+        return max(programs, 1) * self.num_warps
+
+
+def issue_us(kernel: SplitKernel, tokens: int) -> float:
+    """The split programs' instruction issue for `tokens` cached (sequence, KV head) tokens, in microseconds."""
+    cycles = CYCLES_PER_INSTRUCTION if kernel.num_warps < 4 else CYCLES_PER_INSTRUCTION_WIDE
+    tiles = tokens / kernel.block_n
+    return tiles * kernel.num_warps * kernel.loop_instructions * cycles / (kernel.warps_per_sm * SMS * CLOCK_HZ) * 1e6
+
+
+def floor_us(floor_bytes: int) -> float:
+    """The floor: `floor_bytes` at the copy bandwidth, in microseconds."""
+    return floor_bytes / (COPY_GBPS * 1e3)
+
+
+def decode_us(kernel: SplitKernel, tokens: int, floor_bytes: int) -> tuple[float, float, str]:
+    """(estimated us, floor us, "instructions" or "memory": which bounds it) for a decode over `tokens` cached
+    (sequence, KV head) tokens that reads `floor_bytes`."""
+    issue, floor = issue_us(kernel, tokens), floor_us(floor_bytes)
+    memory = floor / MEMORY_EFFICIENCY
+    return FIXED_US + max(issue, memory), floor, "instructions" if issue > memory else "memory"
+
+
+def estimates(kernel: SplitKernel, bytes_per_token: int, window: int, head_dim: int) -> dict[str, dict]:
+    """SHAPES' estimates, keyed "<batch>x<context>": us, floor_us, fraction (of the floor reached) and bound. The
+    split kernel reads the quantized tokens; a window scheme's ring (fp16) counts in the floor, as kvqc bench's."""
+    from kvqc.tools.bench import decode_bytes
+
+    out = {}
+    for batch, context in SHAPES:
+        quantized = batch * KV_HEADS * (context - min(window, context))
+        us, floor, bound = decode_us(kernel, quantized,
+                                     decode_bytes(batch, context, KV_HEADS, bytes_per_token, window, head_dim))
+        out[f"{batch}x{context}"] = {"us": round(us, 1), "floor_us": round(floor, 1),
+                                     "fraction": round(floor / us, 3), "bound": bound}
+    return out

@@ -1886,6 +1886,8 @@ def _window_decode_kernel(
     q_valid = tl.arange(0, GROUP_PAD) < GROUP
     dim = tl.arange(0, D_PAD)
     query = tl.load(query_ptr + q_row[:, None] * D_PAD + dim[None, :], mask=q_valid[:, None], other=0.0).to(tl.float32)
+    # Dots in DOT_DTYPE with float32 accumulation: the query's precision, as the quantized splits take theirs.
+    query_dot = query.to(DOT_DTYPE)
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -1896,9 +1898,8 @@ def _window_decode_kernel(
         valid = (member < WINDOW) & (position >= 0) & (ring >= 0) & (ring < max_seqs)
         ring_row = (ring * WINDOW + position % WINDOW) * NUM_KV_HEADS + kv_head
         mask = valid[:, None] & (dim[None, :] < HEAD_DIM)
-        # Dots in DOT_DTYPE with float32 accumulation: the query's precision, as the quantized splits take theirs.
         key = tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
-        scores = _mm(query.to(DOT_DTYPE), tl.trans(key), DOT_PRECISION)
+        scores = _mm(query_dot, tl.trans(key), DOT_PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)

@@ -1593,6 +1593,8 @@ def _window_decode_kernel(
     # The quantized splits score q . (k - mean): these scores take the same shift, so that softmax sees one basis.
     mean = tl.load(key_mean_ptr + kv_head * HEAD_DIM + dim, mask=dim < HEAD_DIM, other=0.0)
     shift = tl.sum(query * mean[None, :], axis=1) * sm_scale_log2
+    # Dots in DOT_DTYPE with float32 accumulation: the query's precision, as the quantized splits take theirs.
+    query_dot = query.to(DOT_DTYPE)
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -1606,9 +1608,8 @@ def _window_decode_kernel(
         at = tl.where(sink, member, 4 + position % WINDOW)
         ring_row = (ring * 68 + at) * NUM_KV_HEADS + kv_head
         mask = valid[:, None] & (dim[None, :] < HEAD_DIM)
-        # Dots in DOT_DTYPE with float32 accumulation: the query's precision, as the quantized splits take theirs.
         key = tl.load(key_window_ptr + ring_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
-        scores = _mm(query.to(DOT_DTYPE), tl.trans(key), DOT_PRECISION)
+        scores = _mm(query_dot, tl.trans(key), DOT_PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2 - shift[:, None], float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)

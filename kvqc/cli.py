@@ -230,7 +230,9 @@ def _explain(args: argparse.Namespace) -> int:
     if layout.gluon_decode:
         print("           on sm_90 with fp16 at head_dim 128: a Gluon kernel for the whole tile (_gluon_decode)")
     print(f"           reads at least {layout.bytes_per_token(d)} bytes per token and KV head: the floor `kvqc bench` "
-          "measures against")
+          "measures against;")
+    print("           `kvqc resources` compiles the split kernel (no GPU) and estimates what share of it an H100 "
+          "reaches")
     where = {"split": "the last of each (sequence, KV head)'s split programs to finish (a ticket per pair)",
              "window": "_window_decode_kernel, after the quantized splits"}.get(layout.decode_merge)
     if where:

@@ -5,7 +5,7 @@ its measured time. No GPU: the split kernels are compiled for sm_90 here, as `kv
         docs/bench-d80-96-h100.json
 
 Least squares on log(estimate / measured) over every head-major shape of batch 8 or more, on a grid of
-CYCLES_PER_INSTRUCTION, CYCLES_PER_INSTRUCTION_WIDE and FIXED_US.
+CYCLES_PER_INSTRUCTION (3.0-4.9), CYCLES_PER_INSTRUCTION_WIDE (5.0-7.9) and FIXED_US (8-15.5 us).
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ from kvqc.tools import estimate, resources  # noqa: E402
 from kvqc.tools.bench import decode_bytes  # noqa: E402
 
 
-def shape_terms(run: dict, row: dict) -> tuple[float, float, bool]:
-    """(issue us at one cycle an instruction, floor us, whether the program is wide) for one measured shape."""
-    kernel = estimate.SplitKernel(row["kernel"], row["loop_instructions"], row["block_n"], row["num_warps"],
-                                  row["registers"], row["shared"], row["warps_per_sm"] // row["num_warps"])
+def shape_terms(run: dict, est: dict) -> tuple[estimate.SplitKernel, int, float]:
+    """(the split kernel, the cached tokens it reads, the floor in us) for one measured shape."""
+    kernel = estimate.SplitKernel(est["loop_instructions"], est["block_n"], est["num_warps"], est["registers"],
+                                  est["shared"], est["warps_per_sm"] // est["num_warps"])
     window = getattr(modules.load(run["scheme"]), "WINDOW", 0)
     b, n, h = run["batch"], run["context"], run["kv_heads"]
-    saved = estimate.CYCLES_PER_INSTRUCTION, estimate.CYCLES_PER_INSTRUCTION_WIDE
-    estimate.CYCLES_PER_INSTRUCTION = estimate.CYCLES_PER_INSTRUCTION_WIDE = 1.0
-    issue = estimate.issue_us(kernel, b * h * (n - min(window, n)))
-    estimate.CYCLES_PER_INSTRUCTION, estimate.CYCLES_PER_INSTRUCTION_WIDE = saved
     floor = estimate.floor_us(decode_bytes(b, n, h, run["bytes_per_token"], window, run["head_dim"]))
-    return issue, floor, kernel.num_warps >= 4
+    return kernel, b * h * (n - min(window, n)), floor
 
 
 def main() -> None:
@@ -48,30 +44,34 @@ def main() -> None:
     for run in runs:
         key = run["scheme"], run["head_dim"]
         if key not in rows:
-            rows[key] = next(row for row in resources.measure(*key, layout="bhsd") if "estimate" in row)
-    terms = [shape_terms(run, rows[run["scheme"], run["head_dim"]]) for run in runs]
+            estimated = [row for row in resources.measure(*key, layout="bhsd") if "estimate" in row]
+            if not estimated:
+                sys.exit(f"fit_estimate: {key[0]} at head_dim {key[1]}: no split kernel compiled (kvqc resources)")
+            rows[key] = estimated[0]
+    terms = [shape_terms(run, rows[run["scheme"], run["head_dim"]]["estimate"]) for run in runs]
     measured = [run["kvqc_graph_ms"] * 1e3 for run in runs]
 
     def estimates(cycles: float, wide: float, fixed: float) -> list[tuple[float, str]]:
         out = []
-        for issue, floor, is_wide in terms:
-            issue *= wide if is_wide else cycles
+        for kernel, tokens, floor in terms:
+            issue = estimate.issue_us(kernel, tokens, cycles if kernel.num_warps < 4 else wide)
             memory = floor / estimate.MEMORY_EFFICIENCY
             out.append((fixed + max(issue, memory), "instructions" if issue > memory else "memory"))
         return out
 
-    grid = itertools.product([x / 10 for x in range(25, 60)], [x / 10 for x in range(40, 90)],
-                             [x / 2 for x in range(0, 40)])
+    grid = itertools.product([x / 10 for x in range(30, 50)], [x / 10 for x in range(50, 80)],
+                             [x / 2 for x in range(16, 32)])
     best = min(grid, key=lambda c: sum(math.log(us / got) ** 2 for (us, _), got in zip(estimates(*c), measured)))
     errors = []
     order = sorted(zip(runs, estimates(*best), measured),
                    key=lambda x: (x[0]["head_dim"], x[0]["scheme"], x[0]["batch"], x[0]["context"]))
     for run, (us, bound), got in order:
         row = rows[run["scheme"], run["head_dim"]]
+        est = row["estimate"]
         errors.append(math.log(us / got))
         print(f"{run['scheme']:<20} {run['head_dim']:>4} {run['batch']:>3} x {run['context'] // 1024:>2}k "
-              f"{row['kernel']:<21} {row['loop_instructions']:>5} instructions / {row['block_n']:>2} tokens, "
-              f"{row['num_warps']} warp(s): estimated {us:7.1f} us, measured {got:7.1f} ({us / got - 1:+.0%}), {bound}")
+              f"{row['kernel']:<21} {est['loop_instructions']:>5} instructions / {est['block_n']:>2} tokens, "
+              f"{est['num_warps']} warp(s): estimated {us:7.1f} us, measured {got:7.1f} ({us / got - 1:+.0%}), {bound}")
     rms = math.sqrt(sum(e * e for e in errors) / len(errors))
     print(f"CYCLES_PER_INSTRUCTION = {best[0]}, CYCLES_PER_INSTRUCTION_WIDE = {best[1]}, FIXED_US = {best[2]}: "
           f"{len(runs)} shapes, rms {rms:.1%} (log), "

@@ -998,9 +998,10 @@ class SideLayout:
         centroid is carried over 8 levels: on an H100, turbo_eden_k4v2's fill at 42% of copy bandwidth against the
         scan's 36%; without a centroid (turbo_k4mse_v2 50% against 52.5%) or over 4 levels (turbo_k4v2, 10% more
         instructions) the scan is faster); otherwise "compare" (count the boundaries below, scalars) or "gather" (a
-        binary search over the table, over 16 levels). The scan's PTX helper carrying the centroid (kernels/cell.py.j2)
-        filled turbo_eden_k4v2 1.15-1.18x faster for fp16 and bf16 rows at head_dim 128 (under a 168-register cap,
-        the same codes), but took 1.2x as long for fp32 rows there and 1.03-1.64x at 256, where it spills."""
+        binary search over the table, over 16 levels). The binary search stays for turbo_eden_k4v2 though the scan's
+        PTX helper carrying the centroid (kernels/cell.py.j2) filled it 1.15-1.18x faster than the search for fp16
+        and bf16 rows at head_dim 128 (under a 168-register cap, the same codes): it took 1.2x as long for fp32 rows
+        there, and 1.03-1.64x at head_dim 256, where it spills."""
         if not self.lloyd_max:
             return ""
         if self.symmetric:

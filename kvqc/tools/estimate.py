@@ -5,15 +5,17 @@ bytes it reads (the scheme's floor: codes and metadata at the copy bandwidth) or
 whichever is longer, plus a fixed cost a call (launch, the first loads, the merge):
 
     issue   = tiles x warps a program x instructions a tile x cycles an instruction / (warps an SM x SMs x clock)
+              (at most ISSUE_PER_CYCLE instructions an SM a cycle)
     time    = FIXED_US + max(issue, floor / MEMORY_EFFICIENCY)
 
 "Instructions a tile" is the SASS of the kernel's innermost loop that holds its tensor-core instructions (cuobjdump
 reads the cubin that `kvqc resources` compiles for sm_90). Warps an SM are what the grid gives it (the module's
 split programs a multiprocessor, `_decode_config`), at most what its registers and shared memory let stay resident.
 The cycles an instruction (CYCLES_PER_INSTRUCTION, or CYCLES_PER_INSTRUCTION_WIDE for programs of four warps or
-more) and FIXED_US are fitted to the catalogue's benchmarks on an H100 (docs/benchmarks.md, "Decode estimated
-without a GPU", gives the fit and how far it lands from the measured times). A scheme whose loop issues more
-instructions per byte than the memory can feed is instruction-bound: the estimate says so before any run.
+more) and FIXED_US are fitted to the catalogue's benchmarks on an H100 (docs/benchmarks.md, "Kernel resources and a
+decode estimate without a GPU", gives the fit and how far it lands from the measured times). A scheme whose loop
+issues more instructions per byte than the memory can feed is instruction-bound: the estimate says so before any
+run.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ CLOCK_HZ = 1.755e9
 COPY_GBPS = 3000.0
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 233472  # 228 KiB: what resident blocks share
+SHARED_RESERVED = 1024  # what the runtime keeps of it per block
+ISSUE_PER_CYCLE = 4  # an SM's schedulers: at most one instruction each a cycle
 MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
-# Fitted (see the module docstring): a warp's cycles per issued instruction with the SM's other resident warps
-# interleaved, in programs of one or two warps and of four or more (whose warps wait for one another at the layout
-# conversions inside a tile), and a call's fixed microseconds.
+# Fitted (see the module docstring): a warp's effective cycles per issued instruction, the SM's other resident warps
+# interleaved (Nsight Compute measured 3.1-3.5 at 6.6-7.5 resident warps of the 8 counted here; the fit also carries
+# that shortfall and each program's prologue and tail), in programs of one or two warps and of four or more (whose
+# warps wait for one another at the layout conversions inside a tile: fitted on the three schemes whose head_dim 256
+# kernels take four warps alone), and a call's fixed microseconds.
 CYCLES_PER_INSTRUCTION = 3.9
-CYCLES_PER_INSTRUCTION_WIDE = 6.7
+CYCLES_PER_INSTRUCTION_WIDE = 6.4
 FIXED_US = 12.5
 MEMORY_EFFICIENCY = 0.97  # decode's reads against a copy's, at 32 x 32k (int8_token and fp8)
 Q_HEADS, KV_HEADS = 32, 8
@@ -43,7 +49,6 @@ SHAPES = ((8, 8192), (8, 32768), (32, 32768))
 class SplitKernel:
     """What the estimate reads off a compiled split kernel and its module."""
 
-    name: str
     loop_instructions: int  # one warp's SASS instructions a tile
     block_n: int  # tokens a tile
     num_warps: int
@@ -57,17 +62,21 @@ class SplitKernel:
         shared memory and the SM's limits allow."""
         per_warp = -(-self.registers // 8) * 8 * 32
         by_registers = REGISTERS_PER_SM // per_warp // self.num_warps
-        by_shared = SHARED_PER_SM // self.shared if self.shared else MAX_BLOCKS_PER_SM
+        by_shared = SHARED_PER_SM // (self.shared + SHARED_RESERVED)
         programs = min(self.programs_per_sm, by_registers, by_shared, MAX_BLOCKS_PER_SM,
                        MAX_WARPS_PER_SM // self.num_warps)
         return max(programs, 1) * self.num_warps
 
 
-def issue_us(kernel: SplitKernel, tokens: int) -> float:
-    """The split programs' instruction issue for `tokens` cached (sequence, KV head) tokens, in microseconds."""
-    cycles = CYCLES_PER_INSTRUCTION if kernel.num_warps < 4 else CYCLES_PER_INSTRUCTION_WIDE
-    tiles = tokens / kernel.block_n
-    return tiles * kernel.num_warps * kernel.loop_instructions * cycles / (kernel.warps_per_sm * SMS * CLOCK_HZ) * 1e6
+def issue_us(kernel: SplitKernel, tokens: int, cycles: float | None = None) -> float:
+    """The split programs' instruction issue for `tokens` cached (sequence, KV head) tokens, in microseconds, at
+    `cycles` an instruction a warp (default: the fitted constant for the kernel's warps), at most ISSUE_PER_CYCLE
+    instructions an SM a cycle."""
+    if cycles is None:
+        cycles = CYCLES_PER_INSTRUCTION if kernel.num_warps < 4 else CYCLES_PER_INSTRUCTION_WIDE
+    instructions = tokens / kernel.block_n * kernel.num_warps * kernel.loop_instructions
+    per_cycle = min(kernel.warps_per_sm / cycles, ISSUE_PER_CYCLE)
+    return instructions / (per_cycle * SMS * CLOCK_HZ) * 1e6
 
 
 def floor_us(floor_bytes: int) -> float:

@@ -225,13 +225,13 @@ def compile_launch(module, launch: dict) -> dict:
             signature[name] = "fp32"
         if kind == "tensor" or (isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    if launch["kernel"].endswith("_gluon"):
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        source = GluonASTSource(kernel, signature, constants, attrs)
-    else:
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     try:
+        if launch["kernel"].endswith("_gluon"):
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            source = GluonASTSource(kernel, signature, constants, attrs)
+        else:
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as exc:  # a kernel that does not compile is a finding, reported like the others
         return {"kernel": label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
@@ -292,12 +292,13 @@ def _print_estimates(rows: list[dict]) -> None:
     print(f"\ndecode estimated for an H100 (a model, not a measurement: fp16 queries, {estimate.Q_HEADS} query / "
           f"{estimate.KV_HEADS} KV heads; % of the byte floor, kvqc bench's measure)")
     print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'split kernel':<21} {'instr/tile':>10} {'tokens':>6} "
-          f"{'warps/SM':>8} " + " ".join(f"{label:>8}" for label in labels) + "  bound")
+          f"{'warps/SM':>8} " + " ".join(f"{label:>8}" for label in labels) + f"  bound at {labels[-1]}")
     for row in rows:
-        cells = " ".join(f"{row['estimate'][shape]['fraction']:>8.0%}" for shape in shapes)
+        est = row["estimate"]
+        cells = " ".join(f"{est['shapes'][shape]['fraction']:>8.0%}" for shape in shapes)
         print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<21} "
-              f"{row['loop_instructions']:>10} {row['block_n']:>6} {row['warps_per_sm']:>8} {cells}  "
-              f"{row['estimate'][shapes[-1]]['bound']}")
+              f"{est['loop_instructions']:>10} {est['block_n']:>6} {est['warps_per_sm']:>8} {cells}  "
+              f"{est['shapes'][shapes[-1]]['bound']}")
 
 
 def _worker(step: str, scheme: str) -> None:
@@ -317,25 +318,40 @@ def _worker(step: str, scheme: str) -> None:
 
 def _attach_estimate(module, launches: list[dict], rows: list[dict]) -> None:
     """The decode estimate (kvqc/tools/estimate.py) on the row of the split kernel decode takes for fp16 queries:
-    the Gluon kernel where it was recorded, else _decode_kernel."""
-    from kvqc.tools import estimate
-
-    pairs = [(launch, row) for launch, row in zip(launches, rows) if row.get("loop_instructions")]
-    pairs.sort(key=lambda pair: pair[0]["kernel"] != "_decode_kernel_gluon")
-    if not pairs:
-        return
-    launch, row = pairs[0]
-    head_dim = launch["args"]["HEAD_DIM"][1]
-    kernel = estimate.SplitKernel(
-        name=row["kernel"], loop_instructions=row["loop_instructions"], block_n=row["block_n"],
-        num_warps=row["num_warps"], registers=row["registers"], shared=row["shared"],
-        programs_per_sm=module._decode_config(head_dim)[3],
-    )
+    the Gluon kernel where it was recorded (none where that one failed to compile: its row says why), else
+    _decode_kernel. That kernel is compiled once more as a long context launches it on the estimate's heads: the
+    longest split chunk, dependent launch and the in-kernel merge, where the recording's small cache had others."""
     import torch
 
-    row["estimate"] = estimate.estimates(kernel, module.bytes_per_token(head_dim, torch.float16),
-                                         getattr(module, "WINDOW", 0), head_dim)
-    row["warps_per_sm"] = kernel.warps_per_sm
+    from kvqc.tools import estimate
+
+    taken = [(launch, row) for launch, row in zip(launches, rows) if launch["kernel"] in SPLIT_KERNELS]
+    taken.sort(key=lambda pair: pair[0]["kernel"] != "_decode_kernel_gluon")
+    if not taken or "error" in taken[0][1]:
+        return
+    launch, row = taken[0]
+    args = launch["args"]
+    # record() decodes 8 query heads over 2 KV heads: the estimate's 32 over 8 keep that group.
+    assert args["GROUP"][1] == estimate.Q_HEADS // estimate.KV_HEADS, args["GROUP"]
+    head_dim = args["HEAD_DIM"][1]
+    long_context = {"SPLIT_CHUNK": module._SPLIT_CHUNK_MAX, "PDL": True, "NUM_KV_HEADS": estimate.KV_HEADS}
+    if "MERGE" in args:
+        long_context["MERGE"] = True
+    long_context = {name: ("value", value) for name, value in long_context.items() if name in args}
+    compiled = compile_launch(module, {**launch, "args": {**args, **long_context}})
+    if "error" in compiled:
+        return
+    kernel = estimate.SplitKernel(
+        loop_instructions=compiled["loop_instructions"], block_n=compiled["block_n"],
+        num_warps=compiled["num_warps"], registers=compiled["registers"], shared=compiled["shared"],
+        programs_per_sm=module._decode_config(head_dim)[3],
+    )
+    row["estimate"] = {
+        "loop_instructions": kernel.loop_instructions, "block_n": kernel.block_n, "num_warps": kernel.num_warps,
+        "registers": kernel.registers, "shared": kernel.shared, "warps_per_sm": kernel.warps_per_sm,
+        "shapes": estimate.estimates(kernel, module.bytes_per_token(head_dim, torch.float16),
+                                     getattr(module, "WINDOW", 0), head_dim),
+    }
 
 
 if __name__ == "__main__":

@@ -21,17 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvqc from this c
 
 from kvqc import modules  # noqa: E402
 from kvqc.tools import estimate, resources  # noqa: E402
-from kvqc.tools.bench import decode_bytes  # noqa: E402
 
 
-def shape_terms(run: dict, est: dict) -> tuple[estimate.SplitKernel, int, float]:
-    """(the split kernel, the cached tokens it reads, the floor in us) for one measured shape."""
+def shape_of(run: dict, est: dict) -> tuple:
+    """shape_us's arguments for one measured shape: the split kernel `kvqc resources` estimated with, and the run's
+    batch, context, bytes a token, window and head_dim."""
+    assert run["kv_heads"] == estimate.KV_HEADS, run["kv_heads"]
     kernel = estimate.SplitKernel(est["loop_instructions"], est["block_n"], est["num_warps"], est["registers"],
                                   est["shared"], est["warps_per_sm"] // est["num_warps"])
     window = getattr(modules.load(run["scheme"]), "WINDOW", 0)
-    b, n, h = run["batch"], run["context"], run["kv_heads"]
-    floor = estimate.floor_us(decode_bytes(b, n, h, run["bytes_per_token"], window, run["head_dim"]))
-    return kernel, b * h * (n - min(window, n)), floor
+    return kernel, run["batch"], run["context"], run["bytes_per_token"], window, run["head_dim"]
 
 
 def main() -> None:
@@ -48,15 +47,14 @@ def main() -> None:
             if not estimated:
                 sys.exit(f"fit_estimate: {key[0]} at head_dim {key[1]}: no split kernel compiled (kvqc resources)")
             rows[key] = estimated[0]
-    terms = [shape_terms(run, rows[run["scheme"], run["head_dim"]]["estimate"]) for run in runs]
+    shapes = [shape_of(run, rows[run["scheme"], run["head_dim"]]["estimate"]) for run in runs]
     measured = [run["kvqc_graph_ms"] * 1e3 for run in runs]
 
     def estimates(cycles: float, wide: float, fixed: float) -> list[tuple[float, str]]:
         out = []
-        for kernel, tokens, floor in terms:
-            issue = estimate.issue_us(kernel, tokens, cycles if kernel.num_warps < 4 else wide)
-            memory = floor / estimate.MEMORY_EFFICIENCY
-            out.append((fixed + max(issue, memory), "instructions" if issue > memory else "memory"))
+        for shape in shapes:
+            us, _, bound = estimate.shape_us(*shape, cycles=cycles if shape[0].num_warps < 4 else wide, fixed=fixed)
+            out.append((us, bound))
         return out
 
     grid = itertools.product([x / 10 for x in range(30, 50)], [x / 10 for x in range(50, 80)],

@@ -84,24 +84,33 @@ def floor_us(floor_bytes: int) -> float:
     return floor_bytes / (COPY_GBPS * 1e3)
 
 
-def decode_us(kernel: SplitKernel, tokens: int, floor_bytes: int) -> tuple[float, float, str]:
+def decode_us(kernel: SplitKernel, tokens: int, floor_bytes: int, cycles: float | None = None,
+              fixed: float | None = None) -> tuple[float, float, str]:
     """(estimated us, floor us, "instructions" or "memory": which bounds it) for a decode over `tokens` cached
-    (sequence, KV head) tokens that reads `floor_bytes`."""
-    issue, floor = issue_us(kernel, tokens), floor_us(floor_bytes)
+    (sequence, KV head) tokens that reads `floor_bytes`; `cycles` and `fixed` stand in for the fitted constants."""
+    issue, floor = issue_us(kernel, tokens, cycles), floor_us(floor_bytes)
     memory = floor / MEMORY_EFFICIENCY
-    return FIXED_US + max(issue, memory), floor, "instructions" if issue > memory else "memory"
+    bound = "instructions" if issue > memory else "memory"
+    return (FIXED_US if fixed is None else fixed) + max(issue, memory), floor, bound
+
+
+def shape_us(kernel: SplitKernel, batch: int, context: int, bytes_per_token: int, window: int, head_dim: int,
+             cycles: float | None = None, fixed: float | None = None) -> tuple[float, float, str]:
+    """decode_us for `batch` sequences of `context` tokens on KV_HEADS heads. The split kernel reads the quantized
+    tokens; a window scheme's ring (fp16) counts in the floor, as kvqc bench's."""
+    from kvqc.tools.bench import decode_bytes
+
+    quantized = batch * KV_HEADS * (context - min(window, context))
+    floor_bytes = decode_bytes(batch, context, KV_HEADS, bytes_per_token, window, head_dim)
+    return decode_us(kernel, quantized, floor_bytes, cycles, fixed)
 
 
 def estimates(kernel: SplitKernel, bytes_per_token: int, window: int, head_dim: int) -> dict[str, dict]:
-    """SHAPES' estimates, keyed "<batch>x<context>": us, floor_us, fraction (of the floor reached) and bound. The
-    split kernel reads the quantized tokens; a window scheme's ring (fp16) counts in the floor, as kvqc bench's."""
-    from kvqc.tools.bench import decode_bytes
-
+    """SHAPES' estimates (shape_us), keyed "<batch>x<context>": us, floor_us, fraction (of the floor reached) and
+    bound."""
     out = {}
     for batch, context in SHAPES:
-        quantized = batch * KV_HEADS * (context - min(window, context))
-        us, floor, bound = decode_us(kernel, quantized,
-                                     decode_bytes(batch, context, KV_HEADS, bytes_per_token, window, head_dim))
+        us, floor, bound = shape_us(kernel, batch, context, bytes_per_token, window, head_dim)
         out[f"{batch}x{context}"] = {"us": round(us, 1), "floor_us": round(floor, 1),
                                      "fraction": round(floor / us, 3), "bound": bound}
     return out

@@ -162,7 +162,6 @@ def _fill_kernel(
     HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     # `share`: which of a KV head's programs this is, each with its own share of the tokens.
@@ -245,7 +244,6 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
@@ -994,7 +992,6 @@ def fill(
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
     )
 
 
@@ -1094,7 +1091,6 @@ def flatten(
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
         # "Fill and flatten").

@@ -136,7 +136,6 @@ def _fill_kernel(
     HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
     # `share`: which of a KV head's programs this is, each with its own share of the tokens.
@@ -225,7 +224,6 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
@@ -1027,7 +1025,6 @@ def fill(
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
     )
 
 
@@ -1127,7 +1124,6 @@ def flatten(
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
         # "Fill and flatten").

@@ -258,7 +258,6 @@ def _fill_kernel(
     HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
     pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
@@ -744,7 +743,6 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
@@ -2581,7 +2579,6 @@ def fill(
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
         # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES or, for bf16 and fp32
         # inputs, _SPLIT_INPUT_STAGES say; the warps _FILL_WARPS gives (measured on the loop) for both.
@@ -2767,7 +2764,6 @@ def flatten(
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
         # "Fill and flatten").

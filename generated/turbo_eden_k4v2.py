@@ -348,7 +348,6 @@ def _fill_kernel(
     HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
     """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
@@ -624,7 +623,6 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
     ROTATED: tl.constexpr,
 ):
@@ -2384,7 +2382,6 @@ def fill(
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
         # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
         # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES or, for bf16 and fp32
@@ -2505,7 +2502,6 @@ def flatten(
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         FAST_UNPACK=_FAST_UNPACK,
         ROTATED=rotated,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=

@@ -288,7 +288,6 @@ def _fill_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IN_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
@@ -541,7 +540,6 @@ def _flatten_kernel(
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IN_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
@@ -1749,7 +1747,6 @@ def fill(
         HEAD_PAD=_pow2(cache.head_dim),
         BLOCK_T=_FILL_BLOCK_T,
         IN_BLOCK=min(_FILL_IN_BLOCK, _pow2(cache.head_dim)),
-        DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
     )
 
@@ -1859,7 +1856,6 @@ def flatten(
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=min(_FLATTEN_IN_BLOCK, _pow2(cache.head_dim)),
-        DOT_PRECISION=_DOT_PRECISION,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
         # "Fill and flatten").

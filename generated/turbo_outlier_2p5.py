@@ -411,7 +411,6 @@ def _fill_kernel(
     VALUE_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IN_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
@@ -921,7 +920,6 @@ def _flatten_kernel(
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IN_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
     out_rows are not written)."""
@@ -2785,7 +2783,6 @@ def fill(
         **_part_constexprs(cache.head_dim),
         BLOCK_T=_FILL_BLOCK_T,
         IN_BLOCK=_in_block(cache.head_dim, _FILL_IN_BLOCK),
-        DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
     )
 
@@ -2898,7 +2895,6 @@ def flatten(
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
         IN_BLOCK=_in_block(cache.head_dim, _FLATTEN_IN_BLOCK),
-        DOT_PRECISION=_DOT_PRECISION,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,
         # "Fill and flatten").

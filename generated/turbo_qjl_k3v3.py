@@ -240,6 +240,24 @@ def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION:
 
 
 @triton.jit
+def _project_halves(hi, lo, matrix):
+    """(hi + lo) @ matrix^T for the fp16 halves of a float32 tile and a float32 matrix: three fp16 dots with float32
+    accumulation (hi and lo against the matrix's high half, hi against its low half), 22 significant bits of each
+    operand as tf32x3 keeps, in half its operand registers."""
+    high = matrix.to(tl.float16)
+    low = (matrix - high.to(tl.float32)).to(tl.float16)
+    return tl.dot(hi, tl.trans(low), tl.dot(lo, tl.trans(high), tl.dot(hi, tl.trans(high))))
+
+
+@triton.jit
+def _expand_signs(signs, matrix):
+    """signs @ matrix for +-1 signs in fp16 and a float32 matrix: two fp16 dots on the matrix's halves, whose
+    products with +-1 are exact, with float32 accumulation."""
+    high = matrix.to(tl.float16)
+    return tl.dot(signs, (matrix - high.to(tl.float32)).to(tl.float16), tl.dot(signs, high))
+
+
+@triton.jit
 def _concat(a, b):
     """a and b [rows, width] side by side: [rows, 2 * width]."""
     ROWS: tl.constexpr = a.shape[0]
@@ -357,7 +375,6 @@ def _fill_kernel(
     HEADS_FASTEST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
     """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
@@ -564,35 +581,40 @@ def _fill_kernel(
     unit = x_7 * inverse[:, None]
     code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
     residual_7 = unit - centroid
-    # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
-    # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
-    residual = _concat(
-        _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
-        _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
-    )
-    key_dim = tl.arange(0, HEAD_DIM)
-    qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
-    code_0 = code_0 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_1 = code_1 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_2 = code_2 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_3 = code_3 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_4 = code_4 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_5 = code_5 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_6 = code_6 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_7 = code_7 | ((_mm(residual, tl.trans(qjl), DOT_PRECISION) >= 0).to(tl.int32) << 2)
     residual_norm = tl.sqrt(
         tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
         + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)
         + tl.sum(residual_4 * residual_4, axis=1) + tl.sum(residual_5 * residual_5, axis=1)
         + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
     )
+    # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
+    # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
+    # Only the sign is kept, so the row is scaled to a largest magnitude of 1, where its fp16 halves keep 22 bits
+    # (_project_halves; tf32x3 dots spilled the fill's registers).
+    residual = _concat(
+        _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
+        _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
+    )
+    residual = residual / tl.maximum(tl.max(tl.abs(residual), axis=1), 1e-30)[:, None]
+    residual_hi = residual.to(tl.float16)
+    residual_lo = (residual - residual_hi.to(tl.float32)).to(tl.float16)
+    key_dim = tl.arange(0, HEAD_DIM)
+    qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
+    code_0 = code_0 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_1 = code_1 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_2 = code_2 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_3 = code_3 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_4 = code_4 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_5 = code_5 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_6 = code_6 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
+    qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+    code_7 = code_7 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
     packed = (
         code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4 | (code_5 & 1) << 5
         | (code_6 & 1) << 6 | (code_7 & 1) << 7
@@ -865,7 +887,6 @@ def _flatten_kernel(
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     ROTATED: tl.constexpr,
 ):
     """Dequantize BLOCK_T cached tokens of one sequence and KV head into output rows start_loc[seq] .. (rows past
@@ -1034,24 +1055,24 @@ def _flatten_kernel(
         signs = _concat(
             _concat(_concat(signs_0, signs_1), _concat(signs_2, signs_3)),
             _concat(_concat(signs_4, signs_5), _concat(signs_6, signs_7)),
-        )
+        ).to(tl.float16)
         key_dim = tl.arange(0, HEAD_DIM)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + key_chunk[None, :])
-        tile_0 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_0 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :])
-        tile_1 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_1 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :])
-        tile_2 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_2 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :])
-        tile_3 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_3 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :])
-        tile_4 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_4 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :])
-        tile_5 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_5 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :])
-        tile_6 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_6 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :])
-        tile_7 += key_qjl_row[:, None] * _mm(signs, qjl, DOT_PRECISION)
+        tile_7 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
         if ROTATED:
             tile_0 = tile_0.to(tl.float32)
             tile_1 = tile_1.to(tl.float32)
@@ -2521,7 +2542,6 @@ def fill(
         HEADS_FASTEST=heads_fastest,
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         FAST_CELL=_COMPILED_CUDA,
     )
 
@@ -2635,7 +2655,6 @@ def flatten(
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
         BLOCK_T=_FLATTEN_BLOCK_T,
-        DOT_PRECISION=_DOT_PRECISION,
         ROTATED=rotated,
         # One stage, no software pipelining: a program takes one tile (packed output) or strides over a few (out=
         # buffers), and the stages' shared-memory copies of its loads cost resident programs (docs/benchmarks.md,

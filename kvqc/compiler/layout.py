@@ -1997,7 +1997,6 @@ class Layout:
         params += self._widths("cache.head_dim") + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FILL_IN_BLOCK")))
-        params.append(_constexpr("DOT_PRECISION", "_DOT_PRECISION"))
         if self.any_fast_cell:
             params.append(_constexpr("FAST_CELL", "_COMPILED_CUDA"))
         return tuple(params)
@@ -2033,7 +2032,6 @@ class Layout:
             _constexpr("BLOCK_T", "_FLATTEN_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FLATTEN_IN_BLOCK")))
-        params.append(_constexpr("DOT_PRECISION", "_DOT_PRECISION"))
         if self.flatten_unpacks:
             params.append(_constexpr("FAST_UNPACK", "_FAST_UNPACK"))
         if self.flatten_rotated:

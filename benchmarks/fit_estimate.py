@@ -5,7 +5,8 @@ its measured time. No GPU: the split kernels are compiled for sm_90 here, as `kv
         docs/bench-d80-96-h100.json
 
 Least squares on log(estimate / measured) over every head-major shape of batch 8 or more, on a grid of
-CYCLES_PER_INSTRUCTION (3.0-4.9), CYCLES_PER_INSTRUCTION_WIDE (5.0-7.9) and FIXED_US (8-15.5 us).
+CYCLES_PER_INSTRUCTION (3.0-4.9), CYCLES_PER_INSTRUCTION_WIDE (5.0-7.9) and FIXED_US (8-15.5 us). SKIPPED_WEIGHT is
+not fitted: it is the share of tiles that run the lazy rescale on the benchmark's random scores (estimate.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def shape_of(run: dict, est: dict) -> tuple:
     batch, context, bytes a token, window and head_dim."""
     assert run["kv_heads"] == estimate.KV_HEADS, run["kv_heads"]
     kernel = estimate.SplitKernel(est["loop_instructions"], est["block_n"], est["num_warps"], est["registers"],
-                                  est["shared"], est["warps_per_sm"] // est["num_warps"])
+                                  est["shared"], est["warps_per_sm"] // est["num_warps"], est["skipped_instructions"])
     window = getattr(modules.load(run["scheme"]), "WINDOW", 0)
     return kernel, run["batch"], run["context"], run["bytes_per_token"], window, run["head_dim"]
 
@@ -68,7 +69,8 @@ def main() -> None:
         est = row["estimate"]
         errors.append(math.log(us / got))
         print(f"{run['scheme']:<20} {run['head_dim']:>4} {run['batch']:>3} x {run['context'] // 1024:>2}k "
-              f"{row['kernel']:<21} {est['loop_instructions']:>5} instructions / {est['block_n']:>2} tokens, "
+              f"{row['kernel']:<21} {est['loop_instructions']:>5} instructions ({est['skipped_instructions']:>3} "
+              f"skipped) / {est['block_n']:>2} tokens, "
               f"{est['num_warps']} warp(s): estimated {us:7.1f} us, measured {got:7.1f} ({us / got - 1:+.0%}), {bound}")
     rms = math.sqrt(sum(e * e for e in errors) / len(errors))
     print(f"CYCLES_PER_INSTRUCTION = {best[0]}, CYCLES_PER_INSTRUCTION_WIDE = {best[1]}, FIXED_US = {best[2]}: "

@@ -9,7 +9,8 @@ whichever is longer, plus a fixed cost a call (launch, the first loads, the merg
     time    = FIXED_US + max(issue, floor / MEMORY_EFFICIENCY)
 
 "Instructions a tile" is the SASS of the kernel's innermost loop that holds its tensor-core instructions (cuobjdump
-reads the cubin that `kvqc resources` compiles for sm_90). Warps an SM are what the grid gives it (the module's
+reads the cubin that `kvqc resources` compiles for sm_90); those a conditional branch inside the loop jumps forward
+over count at SKIPPED_WEIGHT, as a tile runs them only sometimes. Warps an SM are what the grid gives it (the module's
 split programs a multiprocessor, `_decode_config`), at most what its registers and shared memory let stay resident.
 The cycles an instruction (CYCLES_PER_INSTRUCTION, or CYCLES_PER_INSTRUCTION_WIDE for programs of four warps or
 more) and FIXED_US are fitted to the catalogue's benchmarks on an H100 (docs/benchmarks.md, "Kernel resources and a
@@ -38,8 +39,14 @@ MAX_BLOCKS_PER_SM = 32
 # warps wait for one another at the layout conversions inside a tile: fitted on the three schemes whose head_dim 256
 # kernels take four warps alone), and a call's fixed microseconds.
 CYCLES_PER_INSTRUCTION = 3.9
-CYCLES_PER_INSTRUCTION_WIDE = 6.4
-FIXED_US = 12.5
+CYCLES_PER_INSTRUCTION_WIDE = 6.5
+FIXED_US = 13.0
+# The share of tiles that run the code a conditional branch inside the tile loop jumps over. In the catalogue's split
+# kernels that code is the lazy rescale alone (LAZY_RESCALE: an exp2, and a multiply for each accumulator register),
+# which runs on a tile that raises some query row's running max. On the benchmark's random scores, 4 query heads a KV
+# head, 20% of a 64-tile split's tiles do (a long context's 2048 tokens, 32 a tile): the sum over tiles t of
+# 1 - (1 - 1/t)^4, over 64. Fewer where a model's maxima settle early; about half of a 16-tile split's (8 x 8k).
+SKIPPED_WEIGHT = 0.2
 MEMORY_EFFICIENCY = 0.97  # decode's reads against a copy's, at 32 x 32k (int8_token and fp8)
 Q_HEADS, KV_HEADS = 32, 8
 SHAPES = ((8, 8192), (8, 32768), (32, 32768))
@@ -55,6 +62,12 @@ class SplitKernel:
     registers: int  # a thread's
     shared: int  # bytes a program
     programs_per_sm: int  # what the plan's grid gives an SM (_decode_config's splits a multiprocessor)
+    skipped_instructions: int = 0  # of loop_instructions, those a forward branch inside the loop jumps over
+
+    @property
+    def tile_instructions(self) -> float:
+        """One warp's instructions issued a tile: the loop's, those it jumps over at SKIPPED_WEIGHT."""
+        return self.loop_instructions - (1 - SKIPPED_WEIGHT) * self.skipped_instructions
 
     @property
     def warps_per_sm(self) -> int:
@@ -74,7 +87,7 @@ def issue_us(kernel: SplitKernel, tokens: int, cycles: float | None = None) -> f
     instructions an SM a cycle."""
     if cycles is None:
         cycles = CYCLES_PER_INSTRUCTION if kernel.num_warps < 4 else CYCLES_PER_INSTRUCTION_WIDE
-    instructions = tokens / kernel.block_n * kernel.num_warps * kernel.loop_instructions
+    instructions = tokens / kernel.block_n * kernel.num_warps * kernel.tile_instructions
     per_cycle = min(kernel.warps_per_sm / cycles, ISSUE_PER_CYCLE)
     return instructions / (per_cycle * SMS * CLOCK_HZ) * 1e6
 

@@ -239,7 +239,9 @@ def compile_launch(module, launch: dict) -> dict:
     row = {"kernel": label, "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
            "options": launch["options"]}
     if launch["kernel"] in SPLIT_KERNELS:
-        row["loop_instructions"] = loop_instructions(_cuobjdump("-sass", compiled.asm["cubin"]))
+        sass = _cuobjdump("-sass", compiled.asm["cubin"])
+        row["loop_instructions"] = loop_instructions(sass)
+        row["skipped_instructions"] = skipped_instructions(sass)
         row["block_n"] = constants["BLOCK_N"]
         row["num_warps"] = launch["options"].get("num_warps", 4)  # Triton's default
     return row
@@ -248,16 +250,37 @@ def compile_launch(module, launch: dict) -> dict:
 def loop_instructions(sass: str) -> int | None:
     """SASS instructions in the innermost loop that holds tensor-core instructions (a backward branch's span with an
     MMA in it): a split kernel's tile, one warp's share; None where no loop has one."""
-    lines = [(int(at, 16), text) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    spans = []
+    loop = _tile_loop(sass)
+    return len(loop) if loop else None
+
+
+def skipped_instructions(sass: str) -> int:
+    """Of loop_instructions' loop, the instructions a conditional branch inside it jumps forward over, where the block
+    it skips holds no branch of its own: an if without an else (with an else, one of the two paths always runs), not
+    a jump out of the loop (past its own backward branch). A tile runs that code only sometimes: the lazy rescale
+    (LAZY_RESCALE), which the estimate counts at estimate.SKIPPED_WEIGHT."""
+    loop = _tile_loop(sass) or []
+    skipped = set()
+    for at, text in loop:
+        branch = re.match(r"@!?P\d\s+BRA\b.*?0x([0-9a-f]+)", text)  # on a predicate (@P0, @!P3): not @PT's always
+        block = [(a, t) for a, t in loop if branch and at < a < int(branch.group(1), 16)]
+        if not any(re.search(r"\bBRA\b", t) for _, t in block):
+            skipped.update(a for a, _ in block)
+    return len(skipped)
+
+
+def _tile_loop(sass: str) -> list[tuple[int, str]] | None:
+    """The innermost loop that holds tensor-core instructions: its (address, instruction) lines, or None."""
+    lines = [(int(at, 16), text.strip()) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
     for at, text in lines:
         branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) <= at:
-            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= at]
-            opcodes = [t.split()[1 if t.startswith("@") else 0] for t in body]  # past a predicate (@P0)
+            body = [(a, t) for a, t in lines if int(branch.group(1), 16) <= a <= at]
+            opcodes = [t.split()[1 if t.startswith("@") else 0] for _, t in body]  # past a predicate (@P0)
             if any("MMA" in opcode for opcode in opcodes):
-                spans.append(len(body))
-    return min(spans) if spans else None
+                loops.append(body)
+    return min(loops, key=len) if loops else None
 
 
 def _cuobjdump(flag: str, cubin: bytes) -> str:
@@ -290,15 +313,16 @@ def _print_estimates(rows: list[dict]) -> None:
     shapes = [f"{b}x{n}" for b, n in estimate.SHAPES]
     labels = [f"{b}x{n // 1024}k" for b, n in estimate.SHAPES]
     print(f"\ndecode estimated for an H100 (a model, not a measurement: fp16 queries, {estimate.Q_HEADS} query / "
-          f"{estimate.KV_HEADS} KV heads; % of the byte floor, kvqc bench's measure)")
-    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'split kernel':<21} {'instr/tile':>10} {'tokens':>6} "
+          f"{estimate.KV_HEADS} KV heads; % of the byte floor, kvqc bench's measure; 'skipped': the tile's "
+          f"instructions a branch may jump over, counted at {estimate.SKIPPED_WEIGHT:.0%})")
+    print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'split kernel':<21} {'instr/tile':>10} {'skipped':>7} {'tokens':>6} "
           f"{'warps/SM':>8} " + " ".join(f"{label:>8}" for label in labels) + f"  bound at {labels[-1]}")
     for row in rows:
         est = row["estimate"]
         cells = " ".join(f"{est['shapes'][shape]['fraction']:>8.0%}" for shape in shapes)
         print(f"{row['scheme']:<20} {row['head_dim']:>4} {row['layout']:<6} {row['kernel']:<21} "
-              f"{est['loop_instructions']:>10} {est['block_n']:>6} {est['warps_per_sm']:>8} {cells}  "
-              f"{est['shapes'][shapes[-1]]['bound']}")
+              f"{est['loop_instructions']:>10} {est['skipped_instructions']:>7} {est['block_n']:>6} "
+              f"{est['warps_per_sm']:>8} {cells}  {est['shapes'][shapes[-1]]['bound']}")
 
 
 def _worker(step: str, scheme: str) -> None:
@@ -344,10 +368,11 @@ def _attach_estimate(module, launches: list[dict], rows: list[dict]) -> None:
     kernel = estimate.SplitKernel(
         loop_instructions=compiled["loop_instructions"], block_n=compiled["block_n"],
         num_warps=compiled["num_warps"], registers=compiled["registers"], shared=compiled["shared"],
-        programs_per_sm=module._decode_config(head_dim)[3],
+        programs_per_sm=module._decode_config(head_dim)[3], skipped_instructions=compiled["skipped_instructions"],
     )
     row["estimate"] = {
-        "loop_instructions": kernel.loop_instructions, "block_n": kernel.block_n, "num_warps": kernel.num_warps,
+        "loop_instructions": kernel.loop_instructions, "skipped_instructions": kernel.skipped_instructions,
+        "block_n": kernel.block_n, "num_warps": kernel.num_warps,
         "registers": kernel.registers, "shared": kernel.shared, "warps_per_sm": kernel.warps_per_sm,
         "shapes": estimate.estimates(kernel, module.bytes_per_token(head_dim, torch.float16),
                                      getattr(module, "WINDOW", 0), head_dim),

@@ -125,17 +125,12 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 @triton.jit
 def _fill_kernel(
-    key_ptr,
     value_ptr,
     slot_mapping_ptr,
-    key_codes_ptr,
-    key_meta_ptr,
     value_codes_ptr,
     value_meta_ptr,
     num_tokens,
     num_slots,
-    stride_key_token,
-    stride_key_head,
     stride_value_token,
     stride_value_head,
     NUM_KV_HEADS: tl.constexpr,
@@ -2355,17 +2350,12 @@ def fill(
     grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(
         _fill_kernel, grid,
-        key,
         value,
         slot_mapping,
-        cache.key_codes,
-        cache.key_meta,
         cache.value_codes,
         cache.value_meta,
         num_tokens,
         num_slots,
-        key.stride(0),
-        key.stride(1),
         value.stride(0),
         value.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,

@@ -237,13 +237,9 @@ def _fill_kernel(
     key_codes_ptr,
     key_meta_ptr,
     key_matrix_ptr,
-    key_centroids_ptr,
-    key_boundaries_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
-    value_centroids_ptr,
-    value_boundaries_ptr,
     num_tokens,
     num_slots,
     stride_key_token,
@@ -720,12 +716,10 @@ def _flatten_kernel(
     key_meta_ptr,
     key_matrix_ptr,
     key_centroids_ptr,
-    key_boundaries_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
     value_centroids_ptr,
-    value_boundaries_ptr,
     window_index_ptr,
     key_window_ptr,
     value_window_ptr,
@@ -1378,12 +1372,9 @@ def _decode_kernel(
     key_meta_ptr,
     key_matrix_ptr,
     key_centroids_ptr,
-    key_boundaries_ptr,
     value_codes_ptr,
     value_meta_ptr,
-    value_matrix_ptr,
     value_centroids_ptr,
-    value_boundaries_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -2135,7 +2126,6 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     tables["key_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_KEY_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["key_centroids"] = centroids.to(device, torch.float32)
-    tables["key_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
 
     # value
     order = torch.arange(d)
@@ -2148,7 +2138,6 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     tables["value_rotation"] = (matrix / math.sqrt(d)).to(device, torch.float32).contiguous()
     centroids = torch.tensor(_VALUE_CENTROIDS[d], dtype=torch.float64) / math.sqrt(d)
     tables["value_centroids"] = centroids.to(device, torch.float32)
-    tables["value_boundaries"] = ((centroids[1:] + centroids[:-1]) / 2).to(device, torch.float32)
     return tables
 
 
@@ -2559,13 +2548,9 @@ def fill(
         cache.key_codes,
         cache.key_meta,
         tables["key_matrix"],
-        tables["key_centroids"],
-        tables["key_boundaries"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
-        tables["value_centroids"],
-        tables["value_boundaries"],
         num_tokens,
         num_slots,
         key.stride(0),
@@ -2742,12 +2727,10 @@ def flatten(
         cache.key_meta,
         tables["key_matrix"],
         tables["key_centroids"],
-        tables["key_boundaries"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
         tables["value_centroids"],
-        tables["value_boundaries"],
         window_index,
         cache.key_window,
         cache.value_window,
@@ -3025,12 +3008,9 @@ def decode(
         cache.key_meta,
         tables["key_matrix"],
         tables["key_centroids"],
-        tables["key_boundaries"],
         cache.value_codes,
         cache.value_meta,
-        tables["value_matrix"],
         tables["value_centroids"],
-        tables["value_boundaries"],
         partial_out,
         partial_max,
         partial_sum,

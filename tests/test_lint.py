@@ -1,6 +1,9 @@
 """Pyflakes' checks (ruff's F rules) over the package, the tests, the benchmark scripts and every generated module:
-no unused or undefined names and no unused imports, so a template that renders dead code fails here."""
+no unused or undefined names and no unused imports, so a template that renders dead code fails here; and no kernel
+parameter a kernel never reads, which pyflakes does not check."""
 
+import ast
+import re
 import subprocess
 import sys
 
@@ -17,6 +20,40 @@ def ruff(*args: str) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def unread_kernel_parameters(source: str) -> list[str]:
+    """`kernel:parameter` for each parameter of a @triton.jit or @gluon.jit function that its body never reads.
+    Two kinds are let pass: `_decode_kernel_gluon` takes `_decode_kernel`'s arguments, so that one launch serves
+    either; a channel split's kernels take the head's and every part's widths and offsets as one set
+    (`_part_constexprs`), whichever they read."""
+    split = "def _part_constexprs(" in source
+    unread = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef) or node.name == "_decode_kernel_gluon":
+            continue
+        if not any(ast.unparse(d).endswith(".jit") for d in node.decorator_list):
+            continue
+        read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        for arg in node.args.args + node.args.kwonlyargs:
+            if arg.arg in read or (split and re.fullmatch(r"HEAD_DIM|[A-Z_]+_(DIM|OFFSET|PAD)", arg.arg)):
+                continue
+            unread.append(f"{node.name}:{arg.arg}")
+    return unread
+
+
+def test_unread_kernel_parameters_are_found():
+    """The check above finds a parameter nothing reads, and only that one."""
+    source = "import triton\n\n\n@triton.jit\ndef _k(x_ptr, y_ptr, N: tl.constexpr):\n    tl.store(x_ptr, N)\n"
+    assert unread_kernel_parameters(source) == ["_k:y_ptr"]
+
+
+def test_kernels_read_every_parameter():
+    """Each generated module's kernels take only what they read: a table or a constexpr a kernel does not use is a
+    launch argument bound for nothing (Layout's *_params decide each kernel's list)."""
+    unread = {path.stem: found for path in sorted((ROOT / "generated").glob("*.py"))
+              if (found := unread_kernel_parameters(path.read_text(encoding="utf-8")))}
+    assert unread == {}
+
+
 def test_no_unused_or_undefined_names():
     ruff("--select", "F", "kvqc", "tests", "benchmarks", "generated")
 
@@ -30,12 +67,17 @@ def test_generated_lines_fit_120_columns():
 def test_every_test_scheme_renders_lint_clean(tmp_path):
     """The test schemes reach the template branches the shipped catalogue does not (padded heads, fixed outlier
     channels, scale groups wider than a chunk, split QJL parts): their modules too have no unused or undefined
-    names and no line over 120 columns, as a scheme a user writes would."""
+    names, no unread kernel parameter and no line over 120 columns, as a scheme a user writes would."""
     schemes = sorted((ROOT / "tests" / "schemes").rglob("*.yaml"))
     assert len(schemes) > 10
+    unread = {}
     for path in schemes:
-        (tmp_path / f"{path.stem}.py").write_text(render(load_scheme(path)), encoding="utf-8")
+        source = render(load_scheme(path))
+        (tmp_path / f"{path.stem}.py").write_text(source, encoding="utf-8")
+        if found := unread_kernel_parameters(source):
+            unread[path.stem] = found
     ruff("--select", "F,E501", "--line-length", "120", "--no-cache", str(tmp_path))
+    assert unread == {}
 
 
 def test_templates_stay_short():

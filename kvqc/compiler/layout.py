@@ -356,18 +356,28 @@ class SideLayout:
         """Constant tensors the kernels read, built once per head_dim and device by the generated module."""
         out = ["matrix"] if self.uses_matrix else []
         if self.lloyd_max:
-            out += ["centroids", "boundaries"]
+            out.append("centroids")
+            if self.cell_search != "sign":  # a sign's cell search compares against 0
+                out.append("boundaries")
         if self.qjl:
             out.append("qjl")
         return tuple(out)
 
-    @property
-    def params(self) -> tuple[KernelParam, ...]:
-        """The kernel parameters for this part's cache tensors and constant tables, in order, with the wrappers'
-        arguments for them: the cache's tensors and the module's tables."""
+    def params(self, tables: tuple[str, ...]) -> tuple[KernelParam, ...]:
+        """The kernel parameters for this part's cache tensors and the constant tables a kernel reads, in order, with
+        the wrappers' arguments for them: the cache's tensors and the module's tables."""
         cache = [_positional(f"{self.name}_{field}_ptr", f"cache.{self.name}_{field}") for field in ("codes", "meta")]
-        return tuple(cache + [_table(f"{self.name}_{table}_ptr", f"{self.name}_{table}")
-                              for table in self.tables])
+        return tuple(cache + [_table(f"{self.name}_{table}_ptr", f"{self.name}_{table}") for table in tables])
+
+    @property
+    def fill_tables(self) -> tuple[str, ...]:
+        """The tables fill reads: all but the centroids, which it reads where it carries one (with_centroid)."""
+        return tuple(table for table in self.tables if table != "centroids" or self.with_centroid)
+
+    @property
+    def flatten_tables(self) -> tuple[str, ...]:
+        """The tables flatten reads: the rotation back, the centroids and S (never the boundaries)."""
+        return tuple(table for table in self.tables if table != "boundaries")
 
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
     @property
@@ -1780,6 +1790,18 @@ class Layout:
         than the head, or than any part of a split one (`_in_block`)."""
         return f"_in_block(cache.head_dim, {most})" if self.split else f"min({most}, _pow2(cache.head_dim))"
 
+    def decode_tables(self, side: SideLayout) -> tuple[str, ...]:
+        """The tables of `side` the split kernels read (the Gluon kernel takes _decode_kernel's arguments): the
+        centroids; K's rotation where they rotate the query, V's where they merge and rotate the output back. S is
+        applied outside them (_rotate_query_kernel projects the query; V's QJL share is mapped back after the
+        merge), and the boundaries are fill's alone."""
+        wanted = {"centroids"}
+        if side.name == "key" and self.fuses_query_rotation:
+            wanted.add("matrix")
+        if side.name == "value" and self.rotates_output and self.decode_merge == "split":
+            wanted.add("matrix")
+        return tuple(table for table in side.tables if table in wanted)
+
     @property
     def decode_params(self) -> tuple[KernelParam, ...]:
         """_decode_kernel's parameters and decode's launch arguments, in order: each key part's query (and its QJL
@@ -1795,7 +1817,7 @@ class Layout:
                                           f'scratch["query_{key.name}_qjl"]' if split else "q_qjl"))
         params += [_positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens")]
         for side in self.sides:
-            params += side.params
+            params += side.params(self.decode_tables(side))
             if side.lut_table:
                 params.append(_table(f"{side.name}_lut_ptr", f"{side.name}_lut"))
         for value in self.value_parts:
@@ -1857,8 +1879,10 @@ class Layout:
         params.append(_positional("rows", "rows"))
         if "key" in self.split_bases:
             params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group")]
+        dots = [_constexpr("DOT_PRECISION", "_DOT_PRECISION")] if any(
+            key.uses_matrix or key.qjl for key in self.key_parts) else []  # a rotation's or S's dots
         return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim") + [
-            _constexpr("ROWS", "16"), _constexpr("DOT_PRECISION", "_DOT_PRECISION"), _constexpr("PDL", "pdl")])
+            _constexpr("ROWS", "16"), *dots, _constexpr("PDL", "pdl")])
 
     @property
     def merge_parts_params(self) -> tuple[KernelParam, ...]:
@@ -1980,16 +2004,18 @@ class Layout:
         """_fill_kernel's parameters and fill's launch arguments, in order: the new rows and their slots, the key
         mean, every part's tensors and tables, the token count, slots and strides (and the tiles a program loops
         over); then the constexprs."""
-        params = [_positional("key_ptr", "key"), _positional("value_ptr", "value"),
-                  _positional("slot_mapping_ptr", "slot_mapping")]
+        sides = [side for side in self.sides if not side.per_channel]  # per-channel sides: `_<side>_group_kernel`
+        bases = [base for base in ("key", "value") if any(side.base == base for side in sides)]
+        params = [_positional(f"{base}_ptr", base) for base in bases]
+        params.append(_positional("slot_mapping_ptr", "slot_mapping"))
         if self.centered:
             params.append(_positional("key_mean_ptr", "_key_mean(cache)"))
-        for side in self.sides:
-            params += side.params
-        params += [_positional("num_tokens", "num_tokens"), _positional("num_slots", "num_slots"),
-                   _positional("stride_key_token", "key.stride(0)"), _positional("stride_key_head", "key.stride(1)"),
-                   _positional("stride_value_token", "value.stride(0)"),
-                   _positional("stride_value_head", "value.stride(1)")]
+        for side in sides:
+            params += side.params(side.fill_tables)
+        params += [_positional("num_tokens", "num_tokens"), _positional("num_slots", "num_slots")]
+        for base in bases:
+            params += [_positional(f"stride_{base}_token", f"{base}.stride(0)"),
+                       _positional(f"stride_{base}_head", f"{base}.stride(1)")]
         if self.fill_loops:
             params.append(_positional("tiles", "tiles"))
         params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
@@ -2011,7 +2037,7 @@ class Layout:
                   _positional("block_tables_ptr", "block_tables"), _positional("seq_lens_ptr", "seq_lens"),
                   _positional("start_loc_ptr", "start_loc")]
         for side in self.sides:
-            params += side.params
+            params += side.params(side.flatten_tables)
             if side.flatten_fast and side.lut_words:
                 params.append(_table(f"{side.name}_lut_ptr", f"{side.name}_lut"))
         if self.window:

@@ -394,7 +394,6 @@ def _fill_kernel(
     HEAD_STRIDE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     KEY_OUTLIER_DIM: tl.constexpr,
     KEY_OUTLIER_OFFSET: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -895,7 +894,6 @@ def _flatten_kernel(
     stride_out_token,
     stride_out_head,
     NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     KEY_OUTLIER_DIM: tl.constexpr,
     KEY_OUTLIER_OFFSET: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -1454,16 +1452,11 @@ def _decode_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     KEY_OUTLIER_DIM: tl.constexpr,
-    KEY_OUTLIER_OFFSET: tl.constexpr,
     KEY_DIM: tl.constexpr,
-    KEY_OFFSET: tl.constexpr,
     KEY_PAD: tl.constexpr,
     VALUE_OUTLIER_DIM: tl.constexpr,
-    VALUE_OUTLIER_OFFSET: tl.constexpr,
     VALUE_DIM: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr,
     VALUE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
@@ -1966,11 +1959,6 @@ def _query_parts_kernel(
     KEY_DIM: tl.constexpr,
     KEY_OFFSET: tl.constexpr,
     KEY_PAD: tl.constexpr,
-    VALUE_OUTLIER_DIM: tl.constexpr,
-    VALUE_OUTLIER_OFFSET: tl.constexpr,
-    VALUE_DIM: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr,
-    VALUE_PAD: tl.constexpr,
     ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -2024,11 +2012,6 @@ def _merge_parts_kernel(
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    KEY_OUTLIER_DIM: tl.constexpr,
-    KEY_OUTLIER_OFFSET: tl.constexpr,
-    KEY_DIM: tl.constexpr,
-    KEY_OFFSET: tl.constexpr,
-    KEY_PAD: tl.constexpr,
     VALUE_OUTLIER_DIM: tl.constexpr,
     VALUE_OUTLIER_OFFSET: tl.constexpr,
     VALUE_DIM: tl.constexpr,
@@ -2557,10 +2540,21 @@ def _part_dims(head_dim: int) -> dict:
     return out
 
 
+# The part constexprs each kernel reads where it reads some of them (Layout.part_constexpr_names); fill and
+# flatten read every one.
+_PART_CONSTEXPRS = {
+    "decode": ("KEY_OUTLIER_DIM", "KEY_DIM", "KEY_PAD", "VALUE_OUTLIER_DIM", "VALUE_DIM", "VALUE_PAD"),
+    "query_parts": ("KEY_OUTLIER_DIM", "KEY_OUTLIER_OFFSET", "KEY_DIM", "KEY_OFFSET", "KEY_PAD"),
+    "merge_parts": ("VALUE_OUTLIER_DIM", "VALUE_OUTLIER_OFFSET", "VALUE_DIM", "VALUE_OFFSET", "VALUE_PAD"),
+}
+
+
+@functools.lru_cache(maxsize=None)
 def _part_constexprs(head_dim: int) -> dict:
-    """The kernels' per-part widths, offsets in the permuted head, and power-of-two padded widths."""
+    """Per kernel, the parts' widths, first channels in the permuted head and power-of-two padded widths it reads,
+    at head_dim."""
     dims = _part_dims(head_dim)
-    return {
+    every = {
         "KEY_OUTLIER_DIM": dims["key_outlier"],
         "KEY_OUTLIER_OFFSET": 0,
         "KEY_DIM": dims["key"],
@@ -2572,6 +2566,8 @@ def _part_constexprs(head_dim: int) -> dict:
         "VALUE_OFFSET": dims["value_outlier"],
         "VALUE_PAD": _pow2(dims["value"]),
     }
+    some = {kernel: {name: every[name] for name in names} for kernel, names in _PART_CONSTEXPRS.items()}
+    return {"fill": every, "flatten": every, **some}
 
 
 def _in_block(head_dim: int, most: int) -> int:
@@ -2759,8 +2755,7 @@ def fill(
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
-        HEAD_DIM=cache.head_dim,
-        **_part_constexprs(cache.head_dim),
+        **_part_constexprs(cache.head_dim)["fill"],
         BLOCK_T=_FILL_BLOCK_T,
         IN_BLOCK=_in_block(cache.head_dim, _FILL_IN_BLOCK),
         FAST_CELL=_COMPILED_CUDA,
@@ -2864,8 +2859,7 @@ def flatten(
         key.stride(0),
         key.stride(1),
         NUM_KV_HEADS=cache.num_kv_heads,
-        HEAD_DIM=cache.head_dim,
-        **_part_constexprs(cache.head_dim),
+        **_part_constexprs(cache.head_dim)["flatten"],
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
@@ -3082,7 +3076,7 @@ def decode(
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
-        **_part_constexprs(head_dim),
+        **_part_constexprs(head_dim)["query_parts"],
         ROWS=16,
         DOT_PRECISION=_DOT_PRECISION,
         PDL=pdl,
@@ -3131,8 +3125,7 @@ def decode(
         NUM_KV_HEADS=cache.num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1)),
-        HEAD_DIM=head_dim,
-        **_part_constexprs(head_dim),
+        **_part_constexprs(head_dim)["decode"],
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
         HEADS_FASTEST=heads_fastest,
@@ -3164,7 +3157,7 @@ def decode(
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
-        **_part_constexprs(head_dim),
+        **_part_constexprs(head_dim)["merge_parts"],
         SPLIT_CHUNK=plan.split_chunk,
         SPLITS_PAD=_pow2(num_splits),
         PDL=pdl,

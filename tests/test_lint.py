@@ -3,7 +3,6 @@ no unused or undefined names and no unused imports, so a template that renders d
 parameter a kernel never reads, which pyflakes does not check."""
 
 import ast
-import re
 import subprocess
 import sys
 
@@ -21,11 +20,8 @@ def ruff(*args: str) -> None:
 
 
 def unread_kernel_parameters(source: str) -> list[str]:
-    """`kernel:parameter` for each parameter of a @triton.jit or @gluon.jit function that its body never reads.
-    Two kinds are let pass: `_decode_kernel_gluon` takes `_decode_kernel`'s arguments, so that one launch serves
-    either; a channel split's kernels take the head's and every part's widths and offsets as one set
-    (`_part_constexprs`), whichever they read."""
-    split = "def _part_constexprs(" in source
+    """`kernel:parameter` for each parameter of a @triton.jit or @gluon.jit function that its body never reads;
+    `_decode_kernel_gluon` aside, which takes `_decode_kernel`'s arguments so that one launch serves either."""
     unread = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.FunctionDef) or node.name == "_decode_kernel_gluon":
@@ -34,9 +30,8 @@ def unread_kernel_parameters(source: str) -> list[str]:
             continue
         read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         for arg in node.args.args + node.args.kwonlyargs:
-            if arg.arg in read or (split and re.fullmatch(r"HEAD_DIM|[A-Z_]+_(DIM|OFFSET|PAD)", arg.arg)):
-                continue
-            unread.append(f"{node.name}:{arg.arg}")
+            if arg.arg not in read:
+                unread.append(f"{node.name}:{arg.arg}")
     return unread
 
 

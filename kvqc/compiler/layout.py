@@ -1839,9 +1839,10 @@ class Layout:
             _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"),
             _constexpr("GROUP", "group"),
             _constexpr("GROUP_PAD", "max(_DOT_ROWS, _pow2(group), _QUERY_ROWS.get(head_dim, 1))"),
-            _constexpr("HEAD_DIM", "head_dim"),
         ]
-        params += self._widths("head_dim", pad="width")
+        if self.reads_head_dim:
+            params.append(_constexpr("HEAD_DIM", "head_dim"))
+        params += self._widths("head_dim", "decode", pad="width")
         params += [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
@@ -1881,7 +1882,7 @@ class Layout:
             params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("GROUP", "group")]
         dots = [_constexpr("DOT_PRECISION", "_DOT_PRECISION")] if any(
             key.uses_matrix or key.qjl for key in self.key_parts) else []  # a rotation's or S's dots
-        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim") + [
+        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim", "query_parts") + [
             _constexpr("ROWS", "16"), *dots, _constexpr("PDL", "pdl")])
 
     @property
@@ -1904,7 +1905,7 @@ class Layout:
                    _positional("num_splits", "num_splits"), _constexpr("NUM_Q_HEADS", "num_q_heads")]
         if "value" in self.split_bases:
             params.append(_constexpr("GROUP", "group"))
-        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim") + [
+        return tuple(params + [_constexpr("HEAD_DIM", "head_dim")] + self._widths("head_dim", "merge_parts") + [
             _constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("SPLITS_PAD", "_pow2(num_splits)"),
             _constexpr("PDL", "pdl")])
 
@@ -1986,18 +1987,31 @@ class Layout:
             params += [_constexpr("SPLIT_CHUNK", "plan.split_chunk"), _constexpr("MERGE", "merging")]
         return tuple(params + [_constexpr("PDL", "pdl")])
 
-    def _widths(self, head_dim: str, pad: str = "") -> list[KernelParam]:
+    def _widths(self, head_dim: str, kernel: str, pad: str = "") -> list[KernelParam]:
         """The constexprs for the widths besides HEAD_DIM at the wrapper's `head_dim`: the power-of-two width of a
-        padded head (`pad` where the wrapper has it at hand), then each split part's widths and offsets."""
+        padded head (`pad` where the wrapper has it at hand), then the split parts' widths and offsets `kernel`
+        reads (part_constexpr_names)."""
         widths = [_constexpr("HEAD_PAD", pad or f"_pow2({head_dim})")] if self.padded else []
         if self.split:
-            widths.append(self._part_widths(head_dim))
+            names = self.part_constexpr_names.get(kernel, tuple(name for name, _ in self.part_constexprs))
+            widths.append(KernelParam(tuple(f"{name}: tl.constexpr" for name in names),
+                                      f'**_part_constexprs({head_dim})["{kernel}"]'))
         return widths
 
-    def _part_widths(self, head_dim: str) -> KernelParam:
-        """Every split part's widths and offsets as constexprs, from `_part_constexprs` at the wrapper's `head_dim`."""
-        return KernelParam(tuple(f"{name}: tl.constexpr" for name, _ in self.part_constexprs),
-                           f"**_part_constexprs({head_dim})")
+    @property
+    def part_constexpr_names(self) -> dict[str, tuple[str, ...]]:
+        """The kernels of a channel split that read some of the part constexprs, and those they read (fill and
+        flatten read every part's width, first channel and padded width): the split kernels the widths alone, each
+        part's query and output being rows of their own; the query's parts kernel K's parts, the merge's V's."""
+        names = tuple(name for name, _ in self.part_constexprs)
+        return {"decode": tuple(n for n in names if not n.endswith("_OFFSET")),
+                "query_parts": tuple(n for n in names if n.startswith("KEY_")),
+                "merge_parts": tuple(n for n in names if n.startswith("VALUE_"))}
+
+    @property
+    def reads_head_dim(self) -> bool:
+        """fill, flatten and decode read HEAD_DIM: some side is whole (split parts take their own widths)."""
+        return len(self.split_bases) < 2
 
     @property
     def fill_params(self) -> tuple[KernelParam, ...]:
@@ -2019,8 +2033,10 @@ class Layout:
         if self.fill_loops:
             params.append(_positional("tiles", "tiles"))
         params += [_constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("BLOCK_SIZE", "cache.block_size"),
-                   _ROW_STRIDES, _HEADS_FASTEST, _constexpr("HEAD_DIM", "cache.head_dim")]
-        params += self._widths("cache.head_dim") + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
+                   _ROW_STRIDES, _HEADS_FASTEST]
+        if self.reads_head_dim:
+            params.append(_constexpr("HEAD_DIM", "cache.head_dim"))
+        params += self._widths("cache.head_dim", "fill") + [_constexpr("BLOCK_T", "_FILL_BLOCK_T")]
         if self.dense_matrix:
             params.append(_constexpr("IN_BLOCK", self.in_block("_FILL_IN_BLOCK")))
         if self.any_fast_cell:
@@ -2050,8 +2066,10 @@ class Layout:
                    _positional("stride_block_table", "block_tables.stride(0)"),
                    _positional("max_blocks_per_seq", "block_tables.shape[1]"), _positional("out_rows", "key.shape[0]"),
                    _positional("stride_out_token", "key.stride(0)"), _positional("stride_out_head", "key.stride(1)"),
-                   _constexpr("NUM_KV_HEADS", "cache.num_kv_heads"), _constexpr("HEAD_DIM", "cache.head_dim")]
-        params += self._widths("cache.head_dim") + [
+                   _constexpr("NUM_KV_HEADS", "cache.num_kv_heads")]
+        if self.reads_head_dim:
+            params.append(_constexpr("HEAD_DIM", "cache.head_dim"))
+        params += self._widths("cache.head_dim", "flatten") + [
             _constexpr("BLOCK_SIZE", "cache.block_size"),
             _ROW_STRIDES,
             _HEADS_FASTEST,

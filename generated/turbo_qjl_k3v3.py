@@ -242,8 +242,8 @@ def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION:
 @triton.jit
 def _project_halves(hi, lo, matrix):
     """(hi + lo) @ matrix^T for the fp16 halves of a float32 tile and a float32 matrix: three fp16 dots with float32
-    accumulation (hi and lo against the matrix's high half, hi against its low half), 22 significant bits of each
-    operand as tf32x3 keeps, in half its operand registers."""
+    accumulation (hi and lo against the matrix's high half, hi against its low half): about 22 bits relative to each
+    operand's largest magnitude, as tf32x3's three dots keep, in half their operand registers."""
     high = matrix.to(tl.float16)
     low = (matrix - high.to(tl.float32)).to(tl.float16)
     return tl.dot(hi, tl.trans(low), tl.dot(lo, tl.trans(high), tl.dot(hi, tl.trans(high))))
@@ -588,8 +588,8 @@ def _fill_kernel(
     )
     # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
     # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
-    # Only the sign is kept, so the row is scaled to a largest magnitude of 1, where its fp16 halves keep 22 bits
-    # (_project_halves; tf32x3 dots spilled the fill's registers).
+    # Only the sign is kept, so the row is scaled to a largest magnitude of 1, where its fp16 halves keep about 22
+    # bits (_project_halves, on half the operand registers of tf32x3 dots, which spill here).
     residual = _concat(
         _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
         _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),

@@ -9,8 +9,8 @@ whichever is longer, plus a fixed cost a call (launch, the first loads, the merg
     time    = FIXED_US + max(issue, floor / MEMORY_EFFICIENCY)
 
 "Instructions a tile" is the SASS of the kernel's innermost loop that holds its tensor-core instructions (cuobjdump
-reads the cubin that `kvqc resources` compiles for sm_90); those a conditional branch inside the loop jumps forward
-over count at SKIPPED_WEIGHT, as a tile runs them only sometimes. Warps an SM are what the grid gives it (the module's
+reads the cubin that `kvqc resources` compiles for sm_90); the lazy rescale's, which a branch inside the loop jumps
+over on most tiles, count at SKIPPED_WEIGHT. Warps an SM are what the grid gives it (the module's
 split programs a multiprocessor, `_decode_config`), at most what its registers and shared memory let stay resident.
 The cycles an instruction (CYCLES_PER_INSTRUCTION, or CYCLES_PER_INSTRUCTION_WIDE for programs of four warps or
 more) and FIXED_US are fitted to the catalogue's benchmarks on an H100 (docs/benchmarks.md, "Kernel resources and a
@@ -45,7 +45,8 @@ FIXED_US = 13.0
 # kernels that code is the lazy rescale alone (LAZY_RESCALE: an exp2, and a multiply for each accumulator register),
 # which runs on a tile that raises some query row's running max. On the benchmark's random scores, 4 query heads a KV
 # head, 20% of a 64-tile split's tiles do (a long context's 2048 tokens, 32 a tile): the sum over tiles t of
-# 1 - (1 - 1/t)^4, over 64. Fewer where a model's maxima settle early; about half of a 16-tile split's (8 x 8k).
+# 1 - (1 - 1/t)^4, over 64. Fewer where a model's maxima settle early; more in shorter splits: about half of a
+# 16-tile split's (8 x 8k), 0.32 of sign1_window's 32 tiles of 64 tokens.
 SKIPPED_WEIGHT = 0.2
 MEMORY_EFFICIENCY = 0.97  # decode's reads against a copy's, at 32 x 32k (int8_token and fp8)
 Q_HEADS, KV_HEADS = 32, 8

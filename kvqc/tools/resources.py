@@ -120,6 +120,7 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
         values.update({k: v for k, v in kwargs.items() if k in self.arg_names})
         launches.append({
             "kernel": self.fn.__name__,
+            "head_dim": head_dim,  # a channel split's kernels take part widths, not always HEAD_DIM
             "args": {k: ("tensor", str(v.dtype).removeprefix("torch.")) if isinstance(v, torch.Tensor)
                      else ("value", v if v is None or isinstance(v, (bool, int, float, str)) else str(v))
                      for k, v in values.items()},
@@ -183,7 +184,8 @@ def _gluon_twins(kv, cache, group: int, decode_launches: list[dict]) -> list[dic
         taken = kv._gluon_decode(torch.zeros(1, dtype=torch.float16), cache, group)
     finally:
         kv._GLUON, kv._mma_sync = saved
-    return [{"kernel": "_decode_kernel_gluon", "args": {**launch["args"], "BLOCK_N": ("value", 32)},
+    return [{"kernel": "_decode_kernel_gluon", "head_dim": launch["head_dim"],
+             "args": {**launch["args"], "BLOCK_N": ("value", 32)},
              "options": {"num_warps": 1, "num_stages": launch["options"].get("num_stages", 3)}}
             for launch in decode_launches if taken and launch["kernel"] == "_decode_kernel"]
 
@@ -255,16 +257,17 @@ def loop_instructions(sass: str) -> int | None:
 
 
 def skipped_instructions(sass: str) -> int:
-    """Of loop_instructions' loop, the instructions a conditional branch inside it jumps forward over, where the block
-    it skips holds no branch of its own: an if without an else (with an else, one of the two paths always runs), not
-    a jump out of the loop (past its own backward branch). A tile runs that code only sometimes: the lazy rescale
-    (LAZY_RESCALE), which the estimate counts at estimate.SKIPPED_WEIGHT."""
+    """Of loop_instructions' loop, the instructions of the lazy rescale (LAZY_RESCALE), which a tile runs only where
+    it raises a row's maximum and the estimate counts at estimate.SKIPPED_WEIGHT: a block that a conditional branch
+    inside the loop jumps forward over, holding the rescale's exp2 and no branch of its own (so an if without an
+    else, where one of two paths would always run, and not a jump out of the loop, past its backward branch)."""
     loop = _tile_loop(sass) or []
     skipped = set()
     for at, text in loop:
         branch = re.match(r"@!?P\d\s+BRA\b.*?0x([0-9a-f]+)", text)  # on a predicate (@P0, @!P3): not @PT's always
         block = [(a, t) for a, t in loop if branch and at < a < int(branch.group(1), 16)]
-        if not any(re.search(r"\bBRA\b", t) for _, t in block):
+        rescale = any("MUFU.EX2" in t for _, t in block)
+        if rescale and not any(re.search(r"\bBRA\b", t) for _, t in block):
             skipped.update(a for a, _ in block)
     return len(skipped)
 
@@ -357,7 +360,7 @@ def _attach_estimate(module, launches: list[dict], rows: list[dict]) -> None:
     args = launch["args"]
     # record() decodes 8 query heads over 2 KV heads: the estimate's 32 over 8 keep that group.
     assert args["GROUP"][1] == estimate.Q_HEADS // estimate.KV_HEADS, args["GROUP"]
-    head_dim = args["HEAD_DIM"][1]
+    head_dim = launch["head_dim"]
     long_context = {"SPLIT_CHUNK": module._SPLIT_CHUNK_MAX, "PDL": True, "NUM_KV_HEADS": estimate.KV_HEADS}
     if "MERGE" in args:
         long_context["MERGE"] = True

@@ -1804,10 +1804,10 @@ class Layout:
 
     @property
     def decode_params(self) -> tuple[KernelParam, ...]:
-        """_decode_kernel's parameters and decode's launch arguments, in order: each key part's query (and its QJL
-        projection), the paging, every part's tensors and tables (and lookup words for the PTX lookups), each value
-        part's partial output, the splits' max and sum, the merge's counters and output where split programs merge,
-        the softmax scale and the paging's sizes; then the constexprs."""
+        """_decode_kernel's and _decode_kernel_gluon's parameters and decode's launch arguments, in order: each key
+        part's query (and its QJL projection), the paging, every part's tensors and tables (and lookup words for the
+        PTX lookups), each value part's partial output, the splits' max and sum, the merge's counters and output
+        where split programs merge, the softmax scale and the paging's sizes; then the constexprs."""
         split = self.split
         params = []
         for key in self.key_parts:

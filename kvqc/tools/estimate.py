@@ -63,7 +63,7 @@ class SplitKernel:
     registers: int  # a thread's
     shared: int  # bytes a program
     programs_per_sm: int  # what the plan's grid gives an SM (_decode_config's splits a multiprocessor)
-    skipped_instructions: int = 0  # of loop_instructions, those a forward branch inside the loop jumps over
+    skipped_instructions: int = 0  # of loop_instructions, the lazy rescale's (resources.skipped_instructions)
 
     @property
     def tile_instructions(self) -> float:

@@ -317,7 +317,7 @@ def _print_estimates(rows: list[dict]) -> None:
     labels = [f"{b}x{n // 1024}k" for b, n in estimate.SHAPES]
     print(f"\ndecode estimated for an H100 (a model, not a measurement: fp16 queries, {estimate.Q_HEADS} query / "
           f"{estimate.KV_HEADS} KV heads; % of the byte floor, kvqc bench's measure; 'skipped': the tile's "
-          f"instructions a branch may jump over, counted at {estimate.SKIPPED_WEIGHT:.0%})")
+          f"lazy rescale, which a branch jumps over on most tiles, counted at {estimate.SKIPPED_WEIGHT:.0%})")
     print(f"{'scheme':<20} {'D':>4} {'layout':<6} {'split kernel':<21} {'instr/tile':>10} {'skipped':>7} {'tokens':>6} "
           f"{'warps/SM':>8} " + " ".join(f"{label:>8}" for label in labels) + f"  bound at {labels[-1]}")
     for row in rows:

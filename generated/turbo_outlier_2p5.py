@@ -2611,11 +2611,21 @@ def _channels(cache: KVCache, base: str) -> torch.Tensor:
 
 def _permute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] in each head's channel order (outliers first)."""
-    return x.gather(2, order.expand(x.shape[0], -1, -1))
+    return _take(x, order)
 
 
 def _unpermute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x).scatter_(2, order.expand(x.shape[0], -1, -1), x)
+    """x in each head's channel order back in channel order: channel c is at its place in the order."""
+    places = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return _take(x, torch.empty_like(order).scatter_(1, order, places))
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """y[t, h, j] = x[t, h, index[h, j]]: one index_select over each token's heads * head_dim values, whose index
+    is that small (torch.gather would read an index the size of x, four times its bytes in int64)."""
+    tokens, heads, head_dim = x.shape
+    flat = (index + torch.arange(heads, device=index.device)[:, None] * head_dim).view(-1)
+    return x.reshape(tokens, heads * head_dim).index_select(1, flat).view(tokens, heads, head_dim)
 
 
 def _check_channels(cache: KVCache, name: str) -> bool:

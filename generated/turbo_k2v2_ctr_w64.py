@@ -213,12 +213,20 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _halves(x):
+    """hi, lo: a float32 tile x in fp16 and what that rounding left, in fp16. Together they hold about 22
+    significant bits of x where |x| is within fp16's normal range (rows scaled to a largest magnitude of 1, or
+    Gaussian entries), so fp16 dots of the halves with float32 accumulation come near float32's precision."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _halves_dot(x, b):
     """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16, as two fp16 dots of x's halves
-    with float32 accumulation: hi + lo hold 22 significant bits of x and their products with b are exact, near
-    float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
-    hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    (exact products) with float32 accumulation, near float32's precision where tf32x3 takes three tf32 dots on a
+    float32 b."""
+    hi, lo = _halves(x)
     return tl.dot(lo, b, tl.dot(hi, b))
 
 

@@ -145,6 +145,15 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _halves(x):
+    """hi, lo: a float32 tile x in fp16 and what that rounding left, in fp16. Together they hold about 22
+    significant bits of x where |x| is within fp16's normal range (rows scaled to a largest magnitude of 1, or
+    Gaussian entries), so fp16 dots of the halves with float32 accumulation come near float32's precision."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _codebook_4(index, c0, c1, c2, c3):
     """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
     first, all in registers (a gather from the table would be a load per value)."""
@@ -349,8 +358,7 @@ def _fill_kernel(
                 mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
-            hi = x.to(tl.float16)
-            lo = (x - hi.to(tl.float32)).to(tl.float16)
+            hi, lo = _halves(x)
             matrix = tl.trans(tl.load(key_matrix_ptr + key_chunk[:, None] * HEAD_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
@@ -460,8 +468,7 @@ def _fill_kernel(
                 mask=valid[:, None] & (k + dim[None, :] < HEAD_DIM),
                 other=0.0,
             ).to(tl.float32) * spread[:, None]
-            hi = x.to(tl.float16)
-            lo = (x - hi.to(tl.float32)).to(tl.float16)
+            hi, lo = _halves(x)
             matrix = tl.trans(tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :]))
             x_0 = tl.dot(lo, matrix, tl.dot(hi, matrix, x_0))
             matrix = tl.trans(
@@ -627,11 +634,9 @@ def _flatten_kernel(
         largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        hi_0, lo_0 = _halves(tile)
         tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        hi_1, lo_1 = _halves(tile)
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * key_norm
         for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
             matrix = tl.load(key_matrix_ptr + key_chunk[:, None] * HEAD_PAD + k + dim[None, :])
@@ -693,17 +698,13 @@ def _flatten_kernel(
         )
         spread = 1.0 / tl.maximum(largest, 1e-30)
         tile = tile_0 * spread[:, None]
-        hi_0 = tile.to(tl.float16)
-        lo_0 = (tile - hi_0.to(tl.float32)).to(tl.float16)
+        hi_0, lo_0 = _halves(tile)
         tile = tile_1 * spread[:, None]
-        hi_1 = tile.to(tl.float16)
-        lo_1 = (tile - hi_1.to(tl.float32)).to(tl.float16)
+        hi_1, lo_1 = _halves(tile)
         tile = tile_2 * spread[:, None]
-        hi_2 = tile.to(tl.float16)
-        lo_2 = (tile - hi_2.to(tl.float32)).to(tl.float16)
+        hi_2, lo_2 = _halves(tile)
         tile = tile_3 * spread[:, None]
-        hi_3 = tile.to(tl.float16)
-        lo_3 = (tile - hi_3.to(tl.float32)).to(tl.float16)
+        hi_3, lo_3 = _halves(tile)
         largest = largest * (1.0 / HEAD_DIM ** 0.5) * value_norm
         for k in tl.static_range(0, HEAD_PAD, IN_BLOCK):
             matrix = tl.load(value_matrix_ptr + value_chunk[:, None] * HEAD_PAD + k + dim[None, :])

@@ -175,12 +175,20 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _halves(x):
+    """hi, lo: a float32 tile x in fp16 and what that rounding left, in fp16. Together they hold about 22
+    significant bits of x where |x| is within fp16's normal range (rows scaled to a largest magnitude of 1, or
+    Gaussian entries), so fp16 dots of the halves with float32 accumulation come near float32's precision."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _halves_dot(x, b):
     """x @ b for a float32 tile x in [-1, 1] and b of entries -1, 0 and 1 in fp16, as two fp16 dots of x's halves
-    with float32 accumulation: hi + lo hold 22 significant bits of x and their products with b are exact, near
-    float32's precision where tf32x3 takes three tf32 dots on a float32 b."""
-    hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    (exact products) with float32 accumulation, near float32's precision where tf32x3 takes three tf32 dots on a
+    float32 b."""
+    hi, lo = _halves(x)
     return tl.dot(lo, b, tl.dot(hi, b))
 
 
@@ -244,8 +252,7 @@ def _project_halves(hi, lo, matrix):
     """(hi + lo) @ matrix^T for the fp16 halves of a float32 tile and a float32 matrix: three fp16 dots with float32
     accumulation (hi and lo against the matrix's high half, hi against its low half): about 22 bits relative to each
     operand's largest magnitude, as tf32x3's three dots keep, in half their operand registers."""
-    high = matrix.to(tl.float16)
-    low = (matrix - high.to(tl.float32)).to(tl.float16)
+    high, low = _halves(matrix)
     return tl.dot(hi, tl.trans(low), tl.dot(lo, tl.trans(high), tl.dot(hi, tl.trans(high))))
 
 
@@ -253,8 +260,8 @@ def _project_halves(hi, lo, matrix):
 def _expand_signs(signs, matrix):
     """signs @ matrix for +-1 signs in fp16 and a float32 matrix: two fp16 dots on the matrix's halves, whose
     products with +-1 are exact, with float32 accumulation."""
-    high = matrix.to(tl.float16)
-    return tl.dot(signs, (matrix - high.to(tl.float32)).to(tl.float16), tl.dot(signs, high))
+    high, low = _halves(matrix)
+    return tl.dot(signs, low, tl.dot(signs, high))
 
 
 @triton.jit
@@ -595,8 +602,7 @@ def _fill_kernel(
         _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
     )
     residual = residual / tl.maximum(tl.max(tl.abs(residual), axis=1), 1e-30)[:, None]
-    residual_hi = residual.to(tl.float16)
-    residual_lo = (residual - residual_hi.to(tl.float32)).to(tl.float16)
+    residual_hi, residual_lo = _halves(residual)
     key_dim = tl.arange(0, HEAD_DIM)
     qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
     code_0 = code_0 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)

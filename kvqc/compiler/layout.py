@@ -322,11 +322,32 @@ class SideLayout:
         return "zero" if self.scheme.scale.kind == "minmax" and not (self.group_size or self.per_channel) else None
 
     @property
+    def decode_shift(self) -> bool:
+        """Decode's dots take uniform codes centred on code_mid, and a shift per token adds the rest back (to the
+        scores through the query's sum, to the output through the probabilities' sum): per-token minmax grids,
+        whose zero the shift carries too, and absmax ones, whose levels lie one above the codes the PTX helpers
+        centre (code - 2**(bits - 1)), so their shift is the scale."""
+        return bool(self.row_shift) or (self.scale_kind == "absmax" and bool(self.row_factor)
+                                        and self.scheme.codebook.kind == "uniform" and self.residual == "none")
+
+    @property
     def code_mid(self) -> int:
-        """The code decode subtracts before its dot products where a row shift follows (0 elsewhere): centred
-        codes keep the tensor cores' float32 accumulator near the size of the output instead of carrying
+        """The code decode subtracts before its dot products where a shift follows (0 elsewhere): centred codes
+        keep the tensor cores' float32 accumulator near the size of the output instead of carrying
         2**(bits - 1) * scale per token, which the shift would only cancel at the end."""
-        return 2 ** (self.scheme.codebook.bits - 1) if self.row_shift else 0
+        return 2 ** (self.scheme.codebook.bits - 1) if self.decode_shift else 0
+
+    @property
+    def level_mid(self) -> int:
+        """What decode subtracts from a level (code less the grid's offset, the portable tiles) to centre it on
+        code_mid: code_mid itself for minmax, 1 for absmax (levels run from 1 - 2**(bits - 1))."""
+        return self.code_mid - self.grid_offset if self.decode_shift else 0
+
+    @property
+    def shift_expr(self) -> str:
+        """decode's per-token shift: what the level_mid the dots left out adds, times the scale (and the zero)."""
+        unit = f"{self.name}_{self.row_factor}"
+        return f"{self.name}_zero + {self.level_mid} * {unit}" if self.row_shift else unit
 
     @property
     def level_top(self) -> int:
@@ -678,10 +699,11 @@ class SideLayout:
         "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3 bits) and
         "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile for
         the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
-        Uniform codes take a scale and zero per token, or scales that stay outside the tiles: per group of channels
-        (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm. V's per-channel scales, scale
-        groups without group_dots, QJL on V or beside a uniform grid, residuals over several planes, absmax scales
-        per token and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable path.
+        Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
+        outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a
+        norm. V's per-channel scales, scale groups without group_dots, QJL on V or beside a uniform grid, residuals
+        over several planes and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable
+        path.
         Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns'
         bytes to 0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded
         query columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as
@@ -691,8 +713,7 @@ class SideLayout:
         if (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
             return ""
         one_plane = len(self.planes) == 1
-        outside = self.group_dots or self.channel_dots
-        if kind == "uniform" and residual == "none" and (s.scale.kind == "minmax" or outside):
+        if kind == "uniform" and residual == "none":
             return f"u{bits}"
         if kind == "lloyd_max" and residual == "none" and (bits in (1, 3) or (bits in (2, 4) and one_plane)):
             return f"lut{bits}"
@@ -903,8 +924,6 @@ class SideLayout:
             return HARDWARE_CONVERTED
         if residual == "sign":
             return f"a sign residual beside {bits}-bit codes in {len(self.planes)} bit planes"
-        if kind == "uniform":
-            return f"{s.scale.kind} scales per token"
         return f"a {2 ** bits}-entry codebook"
 
     @property

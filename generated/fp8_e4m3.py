@@ -94,7 +94,7 @@ _FLATTEN_PROGRAMS_PER_SM = 32
 # records the sweep.
 _DECODE_CONFIGS = {64: (32, 1, 3, 8, 64), 128: (32, 1, 2, 8, 128), 256: (16, 2, 3, 8, 128)}
 # Head dims the table does not name (BLOCK_N halves above head_dim 128: the same tile bytes at 256).
-_DECODE_DEFAULT = (128, 4, 3, 8, 64)
+_DECODE_DEFAULT = (32, 1, 3, 8, 128)
 # Rows decode's split kernel pads its query heads to at least, per head_dim where 16 (a whole tensor-core tile)
 # measured faster than the next power of two (templates/decode_tuning.json, `query_rows`).
 _QUERY_ROWS = {}
@@ -1568,11 +1568,8 @@ def _heads_fastest(cache: KVCache) -> bool:
 
 def _decode_config(head_dim: int) -> tuple:
     """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
-    head_dim."""
-    if head_dim in _DECODE_CONFIGS:
-        return _DECODE_CONFIGS[head_dim]
-    block_n, *rest = _DECODE_DEFAULT
-    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+    head_dim: the table's (codegen lists every head_dim outside 65..128), else the default."""
+    return _DECODE_CONFIGS.get(head_dim, _DECODE_DEFAULT)
 
 
 def _target_programs(device: torch.device, per_sm: int) -> int:

@@ -127,6 +127,10 @@ def test_written_table_renders_into_the_module_constants(tmp_path, monkeypatch):
     # Small heads the table does not name take the small-head default; a named one keeps its entry.
     small = codegen.decode_tuning("other", (64, 128))
     assert small["configs"] == "{64: (64, 1, 3, 8, 128)}" and "small-head default" in small["comment"]
+    # So do wide ones theirs; the head dims between take the default at run time (_decode_config).
+    wide = codegen.decode_tuning("other", (128, 256))
+    assert wide["configs"] == "{256: (64, 4, 3, 8, 64)}" and "wide-head default" in wide["comment"]
+    assert wide["default"] == repr(tuple(tune.DEFAULT))
     assert codegen.decode_tuning("some_scheme", (64, 128))["configs"] == got["configs"]
     assert codegen.decode_tuning("int4_token")["comment"] == shipped_note
 

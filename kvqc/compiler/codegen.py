@@ -116,21 +116,25 @@ DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:
     """The decode launch table for one scheme, the rows its split kernel pads the query heads to at least, and its
     looping fill's register cap, programs, warps and stages for bf16 and fp32 inputs, as the module template renders
-    them (see `kvqc tune`). Head dims of 64 or less that the table does not name take `default_small_heads`."""
+    them (see `kvqc tune`). Head dims the table does not name take its default for their size: `default_small_heads`
+    at 64 or less, `default_wide_heads` above 128, `default` between."""
     table = json.loads(DECODE_TUNING.read_text(encoding="utf-8"))
     default = tuple(int(x) for x in table["default"])
     configs = {int(d): tuple(int(x) for x in cfg) for d, cfg in table["schemes"].get(name, {}).items()}
     small = [d for d in head_dims if d <= 64 and d not in configs]
+    wide = [d for d in head_dims if d > 128 and d not in configs]
     if configs:
         sweep = table.get("sweeps", {}).get(name, f"{table['device']} ({table.get('shapes', '')})")
         where = sweep[: sweep.index(")") + 1] if ")" in sweep else sweep  # the device and shapes, not the run's notes
         comment = f"Tuned on {where}; templates/decode_tuning.json records the sweep."
     else:
-        comment = "Not tuned for this scheme: " + ("head_dims above 64 take" if small else "every head_dim takes") + \
-            " the default."
+        comment = "Not tuned for this scheme: each head_dim takes the default for its size."
     if small:
         configs.update({d: tuple(int(x) for x in table["default_small_heads"]) for d in small})
         comment += f" head_dim {', '.join(map(str, small))}: the small-head default (one warp a program)."
+    if wide:
+        configs.update({d: tuple(int(x) for x in table["default_wide_heads"]) for d in wide})
+        comment += f" head_dim {', '.join(map(str, wide))}: the wide-head default."
     lazy = name in table.get("lazy_rescale", [])
     rotate_apart = name in table.get("rotate_query_apart", [])
     # The looping fill's register cap and programs per SM, per head_dim where measured: a cap that helps at one

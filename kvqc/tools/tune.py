@@ -37,7 +37,7 @@ BATCHES = (1, 8, 32)
 TILES = ((128, 4, 3), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 1, 3))
 # (split programs per SM, most splits per sequence)
 SPLITS = ((8, 64), (4, 64), (16, 64), (16, 128))
-DEFAULT = (128, 4, 3, 8, 64)
+DEFAULT = (32, 1, 3, 8, 128)  # decode_tuning.json's default: what a scheme with no entry takes at 65..128
 Q_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 64
 ERR_MAX = 1e-2  # a variant must agree with fp16 SDPA to this relative L2 error on every shape (as kvqc bench warns)
 KEEP_DEFAULT_WITHIN = 0.02  # a winner less than 2% faster (geometric mean) than the default is not worth a change

@@ -37,11 +37,8 @@ def _heads_fastest(cache: KVCache) -> bool:
 
 def _decode_config(head_dim: int) -> tuple:
     """(BLOCK_N, num_warps, num_stages, splits per SM, most splits[, registers per thread]) for decode at this
-    head_dim."""
-    if head_dim in _DECODE_CONFIGS:
-        return _DECODE_CONFIGS[head_dim]
-    block_n, *rest = _DECODE_DEFAULT
-    return (block_n if head_dim <= 128 else block_n // 2, *rest)
+    head_dim: the table's (codegen lists every head_dim outside 65..128), else the default."""
+    return _DECODE_CONFIGS.get(head_dim, _DECODE_DEFAULT)
 
 
 def _target_programs(device: torch.device, per_sm: int) -> int:

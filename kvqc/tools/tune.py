@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  largest error against SDPA among the variants kept: {max_err:.1e}", flush=True)
             rows += mine
             winner, score, scores = best(mine, candidates)
-            winners[(name, d)] = winner
+            winners[(module.SCHEME["name"], d)] = winner  # the table's key: a file's scheme goes by its name
             runner = sorted(scores.items(), key=lambda kv: kv[1])[:3]
             by = {(tuple(r["variant"]), r["batch"], r["context"]): r for r in mine}
             per_shape = " ".join(

@@ -110,6 +110,8 @@ def _mm(a, b, PRECISION: tl.constexpr, acc=None):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision=PRECISION)
     return tl.dot(a, b, acc)
+
+
 # Compiled CUDA converts to fp8 in hardware (cvt.rn.satfinite: to nearest even, as _fp8_code's arithmetic does).
 _FP8_CAST = tl.constexpr(_COMPILED_CUDA)
 

@@ -209,30 +209,6 @@ def _walsh_hadamard(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _codebook_4(index, c0, c1, c2, c3):
-    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
-    first, all in registers (a gather from the table would be a load per value)."""
-    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
-    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
-    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
-    return lut_1_0
-
-
-@triton.jit
-def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
-    """Entry index & 7 of a codebook of 8 scalars: a tree of selects on the index bits, least significant
-    first, all in registers (a gather from the table would be a load per value)."""
-    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
-    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
-    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
-    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
-    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
-    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
-    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
-    return lut_2_0
-
-
-@triton.jit
 def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION: tl.constexpr):
     """S x, the QJL projection of query rows x [ROWS, WIDTH] in position order (S: WIDTH x WIDTH float32 at
     qjl_ptr), stored at out_ptr's rows `row` where `real`: the operand of K's sign tiles' dot. BLOCK rows of S a dot,
@@ -270,6 +246,30 @@ def _concat(a, b):
     ROWS: tl.constexpr = a.shape[0]
     WIDTH: tl.constexpr = a.shape[1]
     return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [ROWS, 2 * WIDTH])
+
+
+@triton.jit
+def _codebook_4(index, c0, c1, c2, c3):
+    """Entry index & 3 of a codebook of 4 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    return lut_1_0
+
+
+@triton.jit
+def _codebook_8(index, c0, c1, c2, c3, c4, c5, c6, c7):
+    """Entry index & 7 of a codebook of 8 scalars: a tree of selects on the index bits, least significant
+    first, all in registers (a gather from the table would be a load per value)."""
+    lut_0_0 = tl.where((index & 1) != 0, c1, c0)
+    lut_0_1 = tl.where((index & 1) != 0, c3, c2)
+    lut_0_2 = tl.where((index & 1) != 0, c5, c4)
+    lut_0_3 = tl.where((index & 1) != 0, c7, c6)
+    lut_1_0 = tl.where((index & 2) != 0, lut_0_1, lut_0_0)
+    lut_1_1 = tl.where((index & 2) != 0, lut_0_3, lut_0_2)
+    lut_2_0 = tl.where((index & 4) != 0, lut_1_1, lut_1_0)
+    return lut_2_0
 
 
 @triton.jit

@@ -8,9 +8,12 @@ from types import SimpleNamespace
 import pytest
 from conftest import ALL_SCHEMES, ROOT, SPLIT_SCHEMES, WINDOW_SCHEMES, generated
 
-from kvqc.compiler.codegen import RUNTIME, RUNTIME_MARKER, runtime_source
+from kvqc.compiler.codegen import RUNTIME, RUNTIME_MARKER, helper_sources, runtime_source
+from kvqc.compiler.layout import plan
+from kvqc.compiler.spec import load_scheme
 
 NAMES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.stem != "__init__")
+WHOLE = [name for name in NAMES if name != "helpers"]  # helpers.py is carried a function at a time
 # Carried only by some modules: window schemes, channel-split schemes, and those whose flatten takes out=.
 ONLY = {"window": set(WINDOW_SCHEMES), "channels": set(SPLIT_SCHEMES),
         "flatten_out": set(ALL_SCHEMES) - set(SPLIT_SCHEMES)}
@@ -34,7 +37,7 @@ def test_a_runtime_file_has_one_marker_and_its_imports_above_it(name):
 def test_every_module_carries_its_runtime_verbatim_and_each_import_once(scheme):
     source = (ROOT / "generated" / f"{scheme}.py").read_text()
     module = ast.parse(source)
-    for name in NAMES:
+    for name in WHOLE:
         carried = runtime_source(name) in source
         assert carried == (scheme in ONLY.get(name, {scheme})), name
         if carried:
@@ -42,6 +45,18 @@ def test_every_module_carries_its_runtime_verbatim_and_each_import_once(scheme):
             assert _imports(ast.parse(head)) - {"from typing import TYPE_CHECKING"} <= _imports(module), name
     lines = [ast.unparse(n) for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert len(lines) == len(set(lines))
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_every_module_carries_the_helpers_its_kernels_call(scheme):
+    """runtime/helpers.py's functions reach a module as they stand, those its plan names (Layout.jit_helpers), and
+    no other: a helper left out fails at the first compile, one carried for nothing is dead code."""
+    source = (ROOT / "generated" / f"{scheme}.py").read_text()
+    wanted = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{scheme}.yaml")).jit_helpers
+    assert helper_sources(wanted) in source
+    defined = {node.name for node in ast.parse(runtime_source("helpers")).body if isinstance(node, ast.FunctionDef)}
+    carried = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)} & defined
+    assert carried == set(wanted)
 
 
 @pytest.mark.parametrize("name", ALL_SCHEMES)

@@ -104,6 +104,22 @@ def runtime_source(name: str) -> str:
     return body.strip("\n")
 
 
+def helper_sources(names: tuple[str, ...]) -> str:
+    """What a module carries of runtime/helpers.py: the named @triton.jit helpers, in the file's order, each with the
+    comment and constants written just above it (the file's top-level pieces are two blank lines apart)."""
+    pieces, pending = {}, []
+    for chunk in runtime_source("helpers").split("\n\n\n"):
+        pending.append(chunk.strip("\n"))
+        defined = re.search(r"^def (\w+)\(", chunk, re.MULTILINE)
+        if defined:
+            pieces[defined.group(1)] = "\n\n\n".join(pending)
+            pending = []
+    unknown = sorted(set(names) - set(pieces))
+    if unknown or pending:
+        raise AssertionError(f"kvqc: runtime/helpers.py defines no {unknown} or ends without a function")
+    return "\n\n\n".join(text for name, text in pieces.items() if name in names)
+
+
 def _generator_source() -> str:
     return "\n\n\n".join(
         inspect.getsource(f).strip() for f in (rotation.splitmix64, rotation.uniform, rotation.gaussian_matrix)
@@ -203,6 +219,7 @@ def render(scheme: Scheme) -> str:
         paley={m: rotation.paley_hadamard(m) for m in rotation.PALEY_ORDERS},
         tuning=decode_tuning(scheme.name, scheme.head_dims),
         runtime=runtime_source,
+        helpers=helper_sources,
     )
     source = re.sub(r"[ \t]+\n", "\n", source)
     source = re.sub(r"\n{4,}", "\n\n\n", source)

@@ -1390,6 +1390,15 @@ class Layout:
         return any(side.fast_cell for side in self.sides)
 
     @property
+    def jit_helpers(self) -> tuple[str, ...]:
+        """The Triton helpers (runtime/helpers.py) the module's kernels call."""
+        needed = {"_mm": True, "_halves": self.splits_halves, "_halves_dot": self.rotates_in_blocks,
+                  "_walsh_hadamard": self.kernel_rotates, "_project_qjl": self.projects_qjl,
+                  "_project_halves": self.builds_qjl, "_expand_signs": self.builds_qjl, "_concat": self.joins_chunks,
+                  "_fp8_code": bool(self.key.fp8 or self.value.fp8)}
+        return tuple(name for name, wanted in needed.items() if wanted)
+
+    @property
     def splits_halves(self) -> bool:
         """Some kernel splits float32 tiles into fp16 halves (module.py.j2's `_halves`): fill or flatten rotates in
         Hadamard blocks or by a dense matrix, or projects a QJL residual."""

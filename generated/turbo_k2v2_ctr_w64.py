@@ -695,7 +695,7 @@ def _flatten_kernel(
         key_c3 = tl.load(key_centroids_ptr + 3)
 
         if FAST_UNPACK and key_out_ptr.dtype.element_ty != tl.float32:
-            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (runtime/ptx.py).
             key_lut_0 = tl.load(key_lut_ptr)
             key_lut_1 = tl.load(key_lut_ptr + 1)
 
@@ -838,7 +838,7 @@ def _flatten_kernel(
         value_c3 = tl.load(value_centroids_ptr + 3)
 
         if FAST_UNPACK and value_out_ptr.dtype.element_ty != tl.float32:
-            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (kernels/unpack.py.j2).
+            # fp16 codebook entries straight from the code bytes, by decode's PTX lookups (runtime/ptx.py).
             value_lut_0 = tl.load(value_lut_ptr)
             value_lut_1 = tl.load(value_lut_ptr + 1)
 

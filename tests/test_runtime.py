@@ -13,7 +13,7 @@ from kvqc.compiler.layout import plan
 from kvqc.compiler.spec import load_scheme
 
 NAMES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.stem != "__init__")
-WHOLE = [name for name in NAMES if name != "helpers"]  # helpers.py is carried a function at a time
+WHOLE = [name for name in NAMES if name not in ("helpers", "ptx")]  # these two are carried a function at a time
 # Carried only by some modules: window schemes, channel-split schemes, and those whose flatten takes out=.
 ONLY = {"window": set(WINDOW_SCHEMES), "channels": set(SPLIT_SCHEMES),
         "flatten_out": set(ALL_SCHEMES) - set(SPLIT_SCHEMES)}
@@ -49,14 +49,17 @@ def test_every_module_carries_its_runtime_verbatim_and_each_import_once(scheme):
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_every_module_carries_the_helpers_its_kernels_call(scheme):
-    """runtime/helpers.py's functions reach a module as they stand, those its plan names (Layout.jit_helpers), and
-    no other: a helper left out fails at the first compile, one carried for nothing is dead code."""
+    """runtime/helpers.py's and runtime/ptx.py's functions reach a module as they stand, those its plan names
+    (Layout.jit_helpers, Layout.ptx_helpers), and no other: a helper left out fails at the first compile, one carried
+    for nothing is dead code."""
     source = (ROOT / "generated" / f"{scheme}.py").read_text()
-    wanted = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{scheme}.yaml")).jit_helpers
-    assert helper_sources(wanted) in source
-    defined = {node.name for node in ast.parse(runtime_source("helpers")).body if isinstance(node, ast.FunctionDef)}
-    carried = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)} & defined
-    assert carried == set(wanted)
+    layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{scheme}.yaml"))
+    for name, wanted in (("helpers", layout.jit_helpers), ("ptx", layout.ptx_helpers)):
+        if wanted:
+            assert helper_sources(wanted, name) in source
+        defined = {node.name for node in ast.parse(runtime_source(name)).body if isinstance(node, ast.FunctionDef)}
+        carried = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)} & defined
+        assert carried == set(wanted), name
 
 
 @pytest.mark.parametrize("name", ALL_SCHEMES)

@@ -104,11 +104,12 @@ def runtime_source(name: str) -> str:
     return body.strip("\n")
 
 
-def helper_sources(names: tuple[str, ...]) -> str:
-    """What a module carries of runtime/helpers.py: the named @triton.jit helpers, in the file's order, each with the
-    comment and constants written just above it (the file's top-level pieces are two blank lines apart)."""
+def helper_sources(names: tuple[str, ...], source: str = "helpers") -> str:
+    """What a module carries of runtime/<source>.py (helpers.py, ptx.py): the named @triton.jit helpers, in the file's
+    order, each with the comment and constants written just above it (the file's top-level pieces are two blank lines
+    apart)."""
     pieces, pending = {}, []
-    for chunk in runtime_source("helpers").split("\n\n\n"):
+    for chunk in runtime_source(source).split("\n\n\n"):
         pending.append(chunk.strip("\n"))
         defined = re.search(r"^def (\w+)\(", chunk, re.MULTILINE)
         if defined:
@@ -116,7 +117,7 @@ def helper_sources(names: tuple[str, ...]) -> str:
             pending = []
     unknown = sorted(set(names) - set(pieces))
     if unknown or pending:
-        raise AssertionError(f"kvqc: runtime/helpers.py defines no {unknown} or ends without a function")
+        raise AssertionError(f"kvqc: runtime/{source}.py defines no {unknown} or ends without a function")
     return "\n\n\n".join(text for name, text in pieces.items() if name in names)
 
 

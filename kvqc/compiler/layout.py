@@ -694,20 +694,19 @@ class SideLayout:
 
     @property
     def fast_unpack(self) -> str:
-        """Decode's PTX unpacking of this side's codes on NVIDIA (kernels/unpack.py.j2), "" for the portable select
-        trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in one plane,
-        "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3 bits) and
-        "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile for
-        the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
+        """Decode's PTX unpacking of this side's codes on NVIDIA (runtime/ptx.py, kernels/unpack.py.j2), "" for the
+        portable select trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in
+        one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3
+        bits) and "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile
+        for the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
-        outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a
-        norm. V's per-channel scales, scale groups without group_dots, QJL on V or beside a uniform grid, residuals
-        over several planes and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable
-        path.
-        Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns'
-        bytes to 0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded
-        query columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as
-        on the portable path."""
+        outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
+        V's per-channel scales, scale groups without group_dots, QJL on V or beside a uniform grid, residuals over
+        several planes and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable path.
+        Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns' bytes to
+        0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded query
+        columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as on the
+        portable path."""
         s = self.scheme
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
         if (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
@@ -1668,9 +1667,16 @@ class Layout:
 
     @property
     def unpack_helpers(self) -> tuple[str, ...]:
-        """The PTX helpers (kernels/unpack.py.j2) that unpack whole chunks of bytes, by kind (u8, u4, lut2, ...)."""
+        """The PTX helpers (runtime/ptx.py) that unpack whole chunks of bytes, by kind (u8, u4, lut2, ...)."""
         return tuple(side.fast_unpack for side in self.sides
                      if side.fast_unpack and not side.plane_unpack and not side.word_unpack)
+
+    @property
+    def ptx_helpers(self) -> tuple[str, ...]:
+        """The hand-written PTX helpers (runtime/ptx.py) decode and flatten call: whole chunks of bytes by kind, and V
+        read as 32-bit words."""
+        return tuple(dict.fromkeys([f"_unpack_{kind}" for kind in self.unpack_helpers]
+                                   + [f"_unpack_{kind}_words" for kind in self.word_helpers]))
 
     @property
     def word_helpers(self) -> tuple[str, ...]:

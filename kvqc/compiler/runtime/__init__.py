@@ -1,6 +1,6 @@
 """The static part of every generated module, as plain Python: argument checks, the cache's base class and its
 checks, launch shapes and launching, the pieces only window or channel-split schemes carry, and the kernels' Triton
-helpers (helpers.py, which a module carries a function at a time: those its plan names).
+and PTX helpers (helpers.py, ptx.py, which a module carries a function at a time: those its plan names).
 
 Each file is ordinary Python that ruff lints and a reader opens, in two parts split by the marker line
 

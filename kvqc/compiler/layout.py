@@ -1399,13 +1399,13 @@ class Layout:
 
     @property
     def splits_halves(self) -> bool:
-        """Some kernel splits float32 tiles into fp16 halves (module.py.j2's `_halves`): fill or flatten rotates in
-        Hadamard blocks or by a dense matrix, or projects a QJL residual."""
+        """Some kernel splits float32 tiles into fp16 halves (runtime/helpers.py's `_halves`): fill or flatten rotates
+        in Hadamard blocks or by a dense matrix, or projects a QJL residual."""
         return self.rotates_in_blocks or self.dense_matrix or self.builds_qjl
 
     @property
     def rotates_in_blocks(self) -> bool:
-        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), by module.py.j2's
+        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), by runtime/helpers.py's
         `_halves_dot`."""
         return any(side.hadamard_blocks for side in self.sides)
 

@@ -714,9 +714,9 @@ def _flatten_kernel(
 
 @triton.jit
 def _unpack_u2(plane0, field0):
-    """2-bit uniform codes -> fp16 code - 2 (centred, see decode), one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each
-    code byte (1024 + code in fp16), one subtraction per pair."""
+    """2-bit uniform codes -> fp16 code - 2 (centred, see decode), one tile a call: each plane's bits, at bit offset
+    fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each code byte (1024 + code in fp16),
+    one subtraction per pair."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 c, t, e, o;

@@ -1553,8 +1553,8 @@ def _flatten_kernel(
 @triton.jit
 def _unpack_u5(plane0, plane1, field0, field1):
     """5-bit uniform codes, their bits in 2 planes, -> fp16 code - 16 (centred, see decode), one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each
-    code byte (1024 + code in fp16), one subtraction per pair."""
+    plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; prmt writes 0x64 above each code
+    byte (1024 + code in fp16), one subtraction per pair."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 c, t, e, o;
@@ -1581,11 +1581,11 @@ def _unpack_u5(plane0, plane1, field0, field1):
 
 @triton.jit
 def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
-    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
-    one prmt selector, and prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
-    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
-    # its next field (a select of the byte shifted once more).
+    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each plane's bits, at
+    bit offset fieldN of its bytes, moved to their place in the index; then the index bytes make one prmt selector, and
+    prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes its next
+    # field (a select of the byte shifted once more).
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 c, t, u, s, l, h, z;

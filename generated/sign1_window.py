@@ -1324,8 +1324,8 @@ def _flatten_kernel(
 
 @triton.jit
 def _unpack_lut1(plane0, field0, lut0, lut1):
-    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
-    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks its
+    half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 k, t, l, h;
@@ -1346,10 +1346,10 @@ def _unpack_lut1(plane0, field0, lut0, lut1):
 
 @triton.jit
 def _unpack_lut1_pairs(plane0, upper, field0, lut0, lut1):
-    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks
-    its half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
-    # Two chunks side by side (decode's pairs): where `upper` is 0xff a byte takes its next field. Impure: Triton
-    # cannot read V's bytes in tl.dot's layout (pairs along tokens), and purity would only widen the probabilities'.
+    """1-bit Lloyd-Max indices -> fp16 entries, one tile a call: each byte's bit at field0, moved to bit 7, masks its
+    half (prmt's sign replication), and lop3 takes lut1's half under the mask, lut0's elsewhere (entry i, twice)."""
+    # Two chunks side by side (decode's pairs): where `upper` is 0xff a byte takes its next field. Impure: Triton cannot
+    # read V's bytes in tl.dot's layout (pairs along tokens), and purity would only widen the probabilities'.
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 k, t, u, l, h;

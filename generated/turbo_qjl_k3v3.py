@@ -1481,12 +1481,12 @@ def _flatten_kernel(
 @triton.jit
 def _unpack_lut2qjl_pairs(plane0, plane1, upper, field0, field1, lut0, lut1):
     """2-bit Lloyd-Max indices and the QJL sign bit above them, their bits in 2 planes, -> fp16 codebook entries and +-1
-    signs, two tiles a call: each plane's bits, at bit offset fieldN of its bytes, moved to their place in the code;
-    the sign bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index
-    bits alone make one prmt selector, and prmt reads the entries' low and high bytes (lut: 2 words, as
-    _lut_words packs them)."""
-    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
-    # its next field (a select of the byte shifted once more).
+    signs, two tiles a call: each plane's bits, at bit offset fieldN of its bytes, moved to their place in the code; the
+    sign bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index bits
+    alone make one prmt selector, and prmt reads the entries' low and high bytes (lut: 2 words, as _lut_words packs
+    them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes its next
+    # field (a select of the byte shifted once more).
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 c, t, u, s, l, h, z, m, o;
@@ -1525,11 +1525,11 @@ def _unpack_lut2qjl_pairs(plane0, plane1, upper, field0, field1, lut0, lut1):
 
 @triton.jit
 def _unpack_lut3_pairs(plane0, plane1, upper, field0, field1, lut0, lut1, lut2, lut3):
-    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each
-    plane's bits, at bit offset fieldN of its bytes, moved to their place in the index; then the index bytes become
-    one prmt selector, and prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
-    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes
-    # its next field (a select of the byte shifted once more).
+    """3-bit Lloyd-Max indices, their bits in 2 planes, -> fp16 codebook entries, one tile a call: each plane's bits, at
+    bit offset fieldN of its bytes, moved to their place in the index; then the index bytes make one prmt selector, and
+    prmt reads the entries' low and high bytes (lut: 4 words, as _lut_words packs them)."""
+    # Two chunks side by side (decode's pairs): plane 0's bytes repeat, and where `upper` is 0xff a byte takes its next
+    # field (a select of the byte shifted once more).
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 c, t, u, s, l, h, z;

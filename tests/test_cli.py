@@ -294,15 +294,16 @@ def test_one_bad_scheme_blocks_the_whole_build(tmp_path):
 def test_a_build_notes_the_sides_that_decode_without_a_ptx_helper(tmp_path):
     """A scheme author hears at build time which sides decode on the portable path and why; a scheme whose sides all
     have PTX helpers, or fp8 codes (which the hardware converts), builds without a note."""
-    path = tmp_path / "lloyd5.yaml"
+    path = tmp_path / "value_qjl.yaml"
     path.write_text("version: 1\nhead_dims: [128]\n"
                     "key: {rotation: hadamard, scale: norm, codebook: {kind: lloyd_max, bits: 5, law: gaussian}}\n"
-                    "value: {rotation: hadamard, scale: norm, codebook: {kind: lloyd_max, bits: 2, law: gaussian}}\n")
+                    "value: {rotation: hadamard, scale: norm, codebook: {kind: lloyd_max, bits: 2, law: gaussian},"
+                    " residual: {kind: qjl, seed: 3}}\n")
     code, out, err = run("build", str(path), "--out", str(tmp_path / "out"))
-    target = tmp_path / "out" / "lloyd5.py"
+    target = tmp_path / "out" / "value_qjl.py"
     assert code == 0 and out == f"{path} -> {target}\n" and target.exists()
-    assert err == (f"{target}: note: decode reads key on the portable path, with no PTX unpacking helper (key: a "
-                   f"32-entry codebook); `kvqc explain {path}` shows each side's path\n")
+    assert err == (f"{target}: note: decode reads value on the portable path, with no PTX unpacking helper (value: "
+                   f"a QJL residual on V); `kvqc explain {path}` shows each side's path\n")
     for name in ("turbo_k4v2", "fp8_e4m3", "kivi_k2v2"):
         code, _, err = run("build", str(SCHEME_DIR / f"{name}.yaml"), "--out", str(tmp_path / "out"))
         assert code == 0 and err == "", (name, err)

@@ -8,17 +8,25 @@ import re
 import pytest
 from conftest import ALL_SCHEMES, DEVICE, ROOT, generated
 
-from kvqc.compiler.layout import plan
-from kvqc.compiler.spec import load_scheme
+from kvqc.compiler import codegen
+from kvqc.compiler.layout import GATHER_BITS, plan
+from kvqc.compiler.spec import load_scheme, scheme_from_dict
 
 
-@pytest.mark.parametrize("name", ALL_SCHEMES)
+TEST_SCHEMES = sorted(str(p) for p in (ROOT / "tests" / "schemes").rglob("*.yaml"))
+
+
+def scheme_file(name: str) -> str:
+    return name if name.endswith(".yaml") else str(ROOT / "kvqc" / "schemes" / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES + TEST_SCHEMES, ids=lambda n: n.rsplit("/", 1)[-1].removesuffix(".yaml"))
 def test_decode_takes_the_unpacking_its_plan_promises(name):
     """The plan's word on each side's decode path (DECODE_UNPACK, `kvqc explain`) is what the kernel does: a side
     planned for PTX unpacking has its decode tiles made by that helper, behind FAST_UNPACK, which compiled CUDA turns
     on; a portable side has no such call. A template that dropped a fast path would fail here, not in a benchmark."""
     m = generated(name)
-    layout = plan(load_scheme(ROOT / "kvqc" / "schemes" / f"{name}.yaml"))
+    layout = plan(load_scheme(scheme_file(name)))
     assert m.DECODE_UNPACK == {side.name: side.fast_unpack or "portable" for side in layout.sides}
     source = inspect.getsource(m._decode_kernel.fn)
     for side, kind in m.DECODE_UNPACK.items():
@@ -70,3 +78,37 @@ def test_padded_chunks_take_ptx_with_their_padding_masked(name):
     for side in padded:
         masks = re.findall(rf"{side.name}_bytes_\d+_\d+ = tl\.load\(.*?mask=(.*?),\s*other=0", source, re.S)
         assert masks and all(f"{side.name}_in[None, :]" in mask for mask in masks), (side.name, masks)
+
+
+def lloyd_max(bits: int, residual: str | None) -> dict:
+    side = {"rotation": "hadamard", "scale": "norm", "codebook": {"kind": "lloyd_max", "bits": bits, "law": "gaussian"}}
+    return side | ({"residual": {"kind": residual, "seed": 3} if residual == "qjl" else residual} if residual else {})
+
+
+LLOYD_MAX = [(bits, residual) for bits in range(1, 9) for residual in (None, "sign", "qjl")
+             if bits + bool(residual) <= 8]
+
+
+@pytest.mark.parametrize("bits, residual", LLOYD_MAX, ids=[f"{b}{r or ''}" for b, r in LLOYD_MAX])
+def test_every_lloyd_max_index_width_takes_ptx(bits, residual):
+    """Every Lloyd-Max codebook the language accepts (1 to 8 index bits, with a sign or QJL bit above on K, a sign
+    on V) decodes through a PTX helper, not the portable select trees or a gather through Triton's loads: the plan
+    says so, the kernel calls that helper on each side, and the helper looks its entries up as the plan has it: by
+    prmt over 8-entry groups and a select per further bit below GATHER_BITS, by one fp16 load per code from it on."""
+    value_residual = residual if residual != "qjl" else None
+    data = {"version": 1, "name": "lloyd_width", "head_dims": [128],
+            "key": lloyd_max(bits, residual), "value": lloyd_max(bits, value_residual)}
+    layout = plan(scheme_from_dict(data))
+    source = codegen.render(scheme_from_dict(data))
+    for side in layout.sides:
+        kind = side.fast_unpack
+        assert kind and not side.portable_reason, (side.name, kind)
+        assert re.search(rf"= _unpack_{kind}(_pairs)?\(\s*{side.name}_(bytes|pair)_0", source), (side.name, kind)
+        if not side.plane_unpack:
+            continue  # a hand-written helper (runtime/ptx.py): test_runtime.py holds the module to it
+        helper = re.search(rf"def _unpack_{kind}(_pairs)?\(.*?\n    \)\n", source, re.S).group(0)
+        gathers = bits >= GATHER_BITS and kind != "lut1"
+        assert helper.count("ld.global.nc.b16") == (4 if gathers else 0), (side.name, kind)
+        assert (f'tables["{side.name}_entries"]' in source) == gathers
+        groups = 2 ** bits // 8 if not gathers else 0
+        assert helper.count(", m, 0xd8;") == (2 * (groups - 1) if groups > 1 else 0), (side.name, kind)

@@ -22,11 +22,14 @@ import textwrap
 from dataclasses import dataclass
 
 from kvqc.numerics import rotation
+from kvqc.compiler import planes
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
 # The portable path's one fast case (SideLayout.portable_reason): fp8 codes, which the hardware converts.
 HARDWARE_CONVERTED = "fp8 codes, which the hardware converts"
+# Lloyd-Max indices of this many bits or more read their entries with loads (SideLayout.lut_gather), fewer by prmt.
+GATHER_BITS = 5
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,8 @@ class SideLayout:
                 out.append("boundaries")
         if self.qjl:
             out.append("qjl")
+        if self.lut_gather:
+            out.append("entries")
         return tuple(out)
 
     def params(self, tables: tuple[str, ...]) -> tuple[KernelParam, ...]:
@@ -392,13 +397,16 @@ class SideLayout:
 
     @property
     def fill_tables(self) -> tuple[str, ...]:
-        """The tables fill reads: all but the centroids, which it reads where it carries one (with_centroid)."""
-        return tuple(table for table in self.tables if table != "centroids" or self.with_centroid)
+        """The tables fill reads: all but decode's entries and the centroids, which it reads where it carries one
+        (with_centroid)."""
+        return tuple(table for table in self.tables
+                     if table != "entries" and (table != "centroids" or self.with_centroid))
 
     @property
     def flatten_tables(self) -> tuple[str, ...]:
-        """The tables flatten reads: the rotation back, the centroids and S (never the boundaries)."""
-        return tuple(table for table in self.tables if table != "boundaries")
+        """The tables flatten reads: the rotation back, the centroids and S (never the boundaries, nor decode's
+        entries)."""
+        return tuple(table for table in self.tables if table not in ("boundaries", "entries"))
 
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
     @property
@@ -696,13 +704,15 @@ class SideLayout:
     def fast_unpack(self) -> str:
         """Decode's PTX unpacking of this side's codes on NVIDIA (runtime/ptx.py, kernels/unpack.py.j2), "" for the
         portable select trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in
-        one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (1 or 3
-        bits) and "lut<bits>qjl" (K's 1- to 3-bit index and its QJL sign bit above it: the codebook tile and a +-1 tile
-        for the projected query's dot) are made by one helper per kind that gathers a code's bits from every plane.
+        one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (other
+        index widths), "lut<bits>s" (an index and the residual's sign above it: entry + -rms) and "lut<bits>qjl" (K's
+        index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot) are made
+        by one helper per kind that gathers a code's bits from every plane (lut_gather: indices of 4 bits or more read
+        their entries from the centroid table).
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
         outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
-        V's per-channel scales, scale groups without group_dots, QJL on V or beside a uniform grid, residuals over
-        several planes and Lloyd-Max codebooks of more than 16 entries (8 beside QJL's sign) keep the portable path.
+        V's per-channel scales, scale groups without group_dots, QJL on V and residuals on a uniform grid keep the
+        portable path.
         Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns' bytes to
         0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded query
         columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as on the
@@ -711,14 +721,13 @@ class SideLayout:
         bits, residual, kind = s.codebook.bits, s.residual.kind, s.codebook.kind
         if (self.per_channel and not self.channel_dots) or (self.group_size and not self.group_dots):
             return ""
-        one_plane = len(self.planes) == 1
         if kind == "uniform" and residual == "none":
             return f"u{bits}"
-        if kind == "lloyd_max" and residual == "none" and (bits in (1, 3) or (bits in (2, 4) and one_plane)):
+        if kind == "lloyd_max" and residual == "none":
             return f"lut{bits}"
-        if kind == "lloyd_max" and residual == "sign" and bits == 3 and one_plane:
-            return "lut3s"
-        if kind == "lloyd_max" and residual == "qjl" and self.base == "key" and bits <= 3:
+        if kind == "lloyd_max" and residual == "sign":
+            return "lut3s" if bits == 3 else f"lut{bits}s"
+        if kind == "lloyd_max" and residual == "qjl" and self.base == "key":
             return f"lut{bits}qjl"
         return ""
 
@@ -835,10 +844,33 @@ class SideLayout:
     @property
     def lut_words(self) -> int:
         """int32 words of the fp16 codebook the PTX lookups read (low bytes, then high bytes, four entries a word);
-        lut1's two are its entries themselves, each in both halves (lut_expr)."""
+        lut1's two are its entries themselves, each in both halves (lut_expr). None where the helper
+        gathers its entries (lut_gather)."""
         if self.fast_unpack == "lut1":
             return 2
-        return 2 ** self.scheme.codebook.bits // 2 if self.scheme.codebook.kind == "lloyd_max" else 0
+        return self.levels // 2 if self.lloyd_max and not self.lut_gather else 0
+
+    @property
+    def lut_gather(self) -> bool:
+        """The plane helper reads each index's entry from `tables["<side>_entries"]` (the codebook in fp16, one
+        cached load a code) instead of prmt over lookup words: prmt picks among 8 bytes, so an index of b bits takes
+        2**(b - 2) prmt and a select tree over them, more instructions than the loads from GATHER_BITS on."""
+        return self.plane_unpack and self.lloyd_max and self.level_bits >= GATHER_BITS
+
+    @property
+    def lookup_loads(self) -> tuple[tuple[str, str], ...]:
+        """What decode loads once per program for this side's PTX lookups, as (name, expression): the lookup words,
+        or the entries' address for lut_gather."""
+        if self.lut_gather:
+            return ((f"{self.name}_entries", f"{self.name}_entries_ptr.to(tl.int64)"),)
+        return tuple((f"{self.name}_lut_{i}", self.lut_expr(i)) for i in range(self.lut_words))
+
+    @property
+    def lookup_args(self) -> str:
+        """The trailing arguments of this side's PTX helper calls: a sign residual's RMS per row in fp16, then
+        lookup_loads' names."""
+        rms = [f"{self.name}_residual_rms.to(tl.float16)[:, None]"] if self.residual == "sign" else []
+        return "".join(f", {arg}" for arg in rms + [name for name, _ in self.lookup_loads])
 
     def lut_expr(self, i: int) -> str:
         """Decode's lookup word i: a load from `tables["<side>_lut"]`, or for lut1 entry i's fp16 bits in both
@@ -921,9 +953,7 @@ class SideLayout:
             return f"a QJL residual beside {beside}"
         if kind == "fp8":
             return HARDWARE_CONVERTED
-        if residual == "sign":
-            return f"a sign residual beside {bits}-bit codes in {len(self.planes)} bit planes"
-        return f"a {2 ** bits}-entry codebook"
+        return f"a {residual} residual beside {kind} codes"
 
     @property
     def without_fast_decode(self) -> bool:
@@ -937,6 +967,7 @@ class SideLayout:
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
             planes += ", the QJL sign bit as a +-1 tile for the projected query's dot" if self.qjl else ""
+            planes += f", {self.levels} entries loaded from the fp16 codebook" if self.lut_gather else ""
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"
@@ -1692,6 +1723,11 @@ class Layout:
         return tuple((kind, pairs, by_kind[kind]) for kind, pairs in forms)
 
     @property
+    def plane_sources(self) -> tuple[str, ...]:
+        """The source of each plane_helpers helper (planes.py writes them)."""
+        return tuple(planes.helper_source(kind, pairs, side) for kind, pairs, side in self.plane_helpers)
+
+    @property
     def unpacks_in_ptx(self) -> bool:
         """Some kernel takes FAST_UNPACK: the module says whether its PTX helpers run (`_FAST_UNPACK`)."""
         return self.decode_unpacks or self.flatten_unpacks
@@ -1835,7 +1871,7 @@ class Layout:
         centroids; K's rotation where they rotate the query, V's where they merge and rotate the output back. S is
         applied outside them (_rotate_query_kernel projects the query; V's QJL share is mapped back after the
         merge), and the boundaries are fill's alone."""
-        wanted = {"centroids"}
+        wanted = {"centroids", "entries"}
         if side.name == "key" and self.fuses_query_rotation:
             wanted.add("matrix")
         if side.name == "value" and self.rotates_output and self.decode_merge == "split":

@@ -1,6 +1,6 @@
 """The PTX helpers that gather each code's bits from its planes (kvqc/compiler/planes.py), run by the emulator of
 tests/ptx.py where no GPU runs them: for every uniform width and every Lloyd-Max index width, alone, with a sign
-residual or with K's QJL bit, each element is what the code its bytes hold decodes to.
+residual or (Lloyd-Max K) with its QJL bit, each element is what the code its bytes hold decodes to.
 """
 
 import random
@@ -16,14 +16,17 @@ from kvqc.compiler.spec import scheme_from_dict
 
 def side_of(codebook: str, bits: int, residual: str | None) -> dict:
     if codebook == "uniform":
-        return {"scale": "minmax", "codebook": {"kind": "uniform", "bits": bits}}
+        side = {"scale": "minmax", "codebook": {"kind": "uniform", "bits": bits}}
+        return side | ({"residual": residual} if residual else {})
     side = {"rotation": "hadamard", "scale": "norm", "codebook": {"kind": "lloyd_max", "bits": bits, "law": "gaussian"}}
     if residual:
         side["residual"] = {"kind": "qjl", "seed": 3} if residual == "qjl" else residual
     return side
 
 
-FORMATS = [("uniform", bits, None) for bits in range(1, 9)] + [
+FORMATS = [("uniform", bits, residual) for bits in range(1, 9) for residual in (None, "sign")
+           if bits + bool(residual) <= 8]
+FORMATS += [
     ("lloyd_max", bits, residual) for bits in range(1, 9) for residual in (None, "sign", "qjl")
     if bits + bool(residual) <= 8
 ]
@@ -75,7 +78,7 @@ def test_plane_helpers_decode_each_code(codebook, bits, residual):
             if pairs:
                 registers[f"${first['upper']}"] = sum(0xFF << 8 * k for k in range(4) if upper[k])
             if not side.lloyd_max:
-                want = fp16([c - side.code_centre for c in code])
+                want = fp16([(c & side.levels - 1) - side.code_centre for c in code])
             else:
                 entries = fp16([rng.uniform(-1, 1) for _ in range(side.levels)])
                 index = [c & side.levels - 1 for c in code]
@@ -92,13 +95,13 @@ def test_plane_helpers_decode_each_code(codebook, bits, residual):
                 for w, word in enumerate(words):
                     for r in range(4):
                         registers[f"${first[f'lut{w}'] + r}"] = word
-                if side.residual == "sign":
-                    rms = fp16([rng.uniform(0, 0.5) for _ in range(4)])
-                    registers[f"${first['rms']}"] = rms[0] | rms[1] << 16
-                    registers[f"${first['rms'] + 1}"] = rms[2] | rms[3] << 16
-                    signed = [r if c >> side.level_bits & 1 else r ^ 0x8000 for r, c in zip(rms, code)]
-                    want = [int(v) for v in (np.array(want, np.uint16).view(np.float16)
-                                             + np.array(signed, np.uint16).view(np.float16)).view(np.uint16)]
+            if side.residual == "sign":
+                rms = fp16([rng.uniform(0, 0.5) for _ in range(4)])
+                registers[f"${first['rms']}"] = rms[0] | rms[1] << 16
+                registers[f"${first['rms'] + 1}"] = rms[2] | rms[3] << 16
+                signed = [r if c >> side.level_bits & 1 else r ^ 0x8000 for r, c in zip(rms, code)]
+                want = [int(v) for v in (np.array(want, np.uint16).view(np.float16)
+                                         + np.array(signed, np.uint16).view(np.float16)).view(np.uint16)]
             env = ptx.run(asm, registers, memory)
             got = ptx.halves(env["$0"]) + ptx.halves(env["$1"])
             assert got == want, (side.name, pairs, code, [hex(g) for g in got], [hex(w) for w in want])

@@ -331,7 +331,7 @@ class SideLayout:
         whose zero the shift carries too, and absmax ones, whose levels lie one above the codes the PTX helpers
         centre (code - 2**(bits - 1)), so their shift is the scale."""
         return bool(self.row_shift) or (self.scale_kind == "absmax" and bool(self.row_factor)
-                                        and self.scheme.codebook.kind == "uniform" and self.residual == "none")
+                                        and self.scheme.codebook.kind == "uniform" and self.residual != "qjl")
 
     @property
     def code_mid(self) -> int:
@@ -706,12 +706,13 @@ class SideLayout:
         portable select trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in
         one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (other
         index widths), "lut<bits>s" (an index and the residual's sign above it: entry + -rms) and "lut<bits>qjl" (K's
-        index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot) are made
-        by one helper per kind that gathers a code's bits from every plane (lut_gather: indices of 4 bits or more read
-        their entries from the centroid table).
+        index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot) and
+        "u<bits>s" (a uniform level and the residual's sign: + - rms / scale, the residual in grid steps) are made by
+        one helper per kind that gathers a code's bits from every plane (lut_gather: indices from GATHER_BITS bits on
+        load their entries from the fp16 codebook).
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
         outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
-        V's per-channel scales, scale groups without group_dots, QJL on V and residuals on a uniform grid keep the
+        V's per-channel scales, scale groups without group_dots, QJL on V and QJL beside a uniform grid keep the
         portable path.
         Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns' bytes to
         0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded query
@@ -723,6 +724,8 @@ class SideLayout:
             return ""
         if kind == "uniform" and residual == "none":
             return f"u{bits}"
+        if kind == "uniform" and residual == "sign":
+            return f"u{bits}s"
         if kind == "lloyd_max" and residual == "none":
             return f"lut{bits}"
         if kind == "lloyd_max" and residual == "sign":
@@ -867,9 +870,15 @@ class SideLayout:
 
     @property
     def lookup_args(self) -> str:
-        """The trailing arguments of this side's PTX helper calls: a sign residual's RMS per row in fp16, then
-        lookup_loads' names."""
-        rms = [f"{self.name}_residual_rms.to(tl.float16)[:, None]"] if self.residual == "sign" else []
+        """The trailing arguments of this side's PTX helper calls: a sign residual's RMS per row in fp16 (in grid
+        steps on a uniform grid, whose scale multiplies the dots afterwards), then lookup_loads' names."""
+        rms = []
+        if self.residual == "sign" and self.lloyd_max:
+            rms = [f"{self.name}_residual_rms.to(tl.float16)[:, None]"]
+        elif self.residual == "sign":
+            scale = f"{self.name}_scale"
+            rms = [f"tl.where({scale} > 0, {self.name}_residual_rms / tl.maximum({scale}, 1e-30), 0.0)"
+                   ".to(tl.float16)[:, None]"]
         return "".join(f", {arg}" for arg in rms + [name for name, _ in self.lookup_loads])
 
     def lut_expr(self, i: int) -> str:
@@ -936,8 +945,7 @@ class SideLayout:
         PTX helper unpacks them. `kvqc explain` says it, so a scheme author knows before a benchmark."""
         if self.fast_unpack:
             return ""
-        s = self.scheme
-        kind, bits, residual = s.codebook.kind, s.codebook.bits, s.residual.kind
+        kind = self.scheme.codebook.kind
         if self.per_channel and not self.channel_dots:
             if self.base == "value":
                 return "per-channel scales on values"
@@ -946,14 +954,9 @@ class SideLayout:
             if self.split:
                 return "scales per group of channels in a channel split"
             return "scales per group of channels on fp8 codes" if kind == "fp8" else "scale groups under 16 columns"
-        if residual == "qjl" and self.base == "value":
-            return "a QJL residual on V"
-        if residual == "qjl":
-            beside = f"a {2 ** bits}-entry codebook" if kind == "lloyd_max" else f"{kind} codes"
-            return f"a QJL residual beside {beside}"
-        if kind == "fp8":
-            return HARDWARE_CONVERTED
-        return f"a {residual} residual beside {kind} codes"
+        if self.qjl:
+            return "a QJL residual on V" if self.base == "value" else "a QJL residual beside a uniform grid"
+        return HARDWARE_CONVERTED  # fp8: every other whole side has a PTX helper
 
     @property
     def without_fast_decode(self) -> bool:

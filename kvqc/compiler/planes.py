@@ -108,6 +108,11 @@ class _Helper:
         if side.lloyd_max:
             return (f"{side.code_bits}-bit Lloyd-Max indices{where} -> fp16 codebook entries, one tile a call: "
                     f"{gather}; then the index bytes {self.lookup_doc()}.")
+        if self.sign:
+            return (f"{side.level_bits}-bit uniform codes and the residual's sign above them{where} -> fp16 code - "
+                    f"{side.code_centre} + -rms (centred, see decode; rms in grid steps), one tile a call: {gather}; "
+                    "the sign bit, moved to bit 15 of a half, flips rms's sign (one lop3); prmt writes 0x64 above "
+                    "each code byte (1024 + code in fp16), one subtraction and one add per pair.")
         return (f"{side.code_bits}-bit uniform codes{where} -> fp16 code - {side.code_centre} (centred, see decode), "
                 f"one tile a call: {gather}; prmt writes 0x64 above each code byte (1024 + code in fp16), one "
                 "subtraction per pair.")
@@ -128,7 +133,7 @@ class _Helper:
             names += ["z"] + ["l", "h", "m"] * (side.qjl or self.sign) + ["m"] * (groups > 1)
             names += ["o"] * side.qjl + ["r0", "r1"] * self.sign
         else:
-            names += ["e", "o"]
+            names += ["e", "o"] + ["z", "l", "h", "m", "r0", "r1"] * self.sign
         out = [".reg .b32 " + ", ".join(dict.fromkeys(names)) + ";"]
         if side.lut_gather:
             out += [".reg .b64 a;", ".reg .b16 e0, e1, e2, e3;"]
@@ -150,11 +155,7 @@ class _Helper:
 
     def body(self) -> list[str]:
         side = self.side
-        if not side.lloyd_max:
-            return ["mov.b32 e, 0x64646464;", f"mov.b32 o, 0x{(25600 + side.code_centre) * 65537:08x};",
-                    "prmt.b32 $0, c, e, 0x4140;", "prmt.b32 $1, c, e, 0x4342;", "sub.f16x2 $0, $0, o;",
-                    "sub.f16x2 $1, $1, o;"]
-        out = ["mov.b32 z, 0;"]
+        out = ["mov.b32 z, 0;"] if side.lloyd_max or self.sign else []
         if side.qjl or self.sign:
             # The bit above the index, moved to bit 7 of its byte, then to bit 15 of its half.
             out += [f"shl.b32 t, c, {7 - side.level_bits};", "prmt.b32 l, t, z, 0x1404;", "prmt.b32 h, t, z, 0x3424;",
@@ -164,7 +165,12 @@ class _Helper:
             else:
                 out += [f"lop3.b32 r0, l, m, ${self.rms}, 0xa6;", f"lop3.b32 r1, h, m, ${self.rms + 1}, 0xa6;"]
             out.append(f"and.b32 c, c, 0x{(side.levels - 1) * BYTES:08x};")
-        out += self.gather_entries() if side.lut_gather else self.prmt_entries()
+        if not side.lloyd_max:
+            out += ["mov.b32 e, 0x64646464;", f"mov.b32 o, 0x{(25600 + side.code_centre) * 65537:08x};",
+                    "prmt.b32 $0, c, e, 0x4140;", "prmt.b32 $1, c, e, 0x4342;", "sub.f16x2 $0, $0, o;",
+                    "sub.f16x2 $1, $1, o;"]
+        else:
+            out += self.gather_entries() if side.lut_gather else self.prmt_entries()
         if self.sign:
             out += ["add.f16x2 $0, $0, r0;", "add.f16x2 $1, $1, r1;"]
         return out

@@ -499,6 +499,20 @@ class SideLayout:
         return self._gathered([(loaded, (f"({field} + {upper})" if field else upper) if i == 0 else field)
                                for i, (loaded, field) in enumerate(self.pair_fields(k))])
 
+    def plane_args(self, c: int) -> str:
+        """A plane helper's arguments for chunk c (planes.py): each plane's bytes for c, the bit offset of c's field
+        in them, then lookup_args."""
+        loads = [f"{self.name}_bytes_{i}_{c % self.ranges(plane)}" for i, plane in enumerate(self.planes)]
+        fields = [str(c // self.ranges(plane) * plane.width) for plane in self.planes]
+        return ", ".join(loads + fields) + self.lookup_args
+
+    def pair_args(self, k: int) -> str:
+        """A plane helper's arguments for pair k (pairs): each plane's bytes, `upper`, each plane's bit offset, then
+        lookup_args."""
+        fields = self.pair_fields(k)
+        loads = [loaded for loaded, _ in fields] + [f"{self.name}_upper"]
+        return ", ".join(loads + [str(field) for _, field in fields]) + self.lookup_args
+
     def unit_code(self, unit: dict) -> tuple[str, ...]:
         """chunk_code for one of group_dots' units (an item of `units`), from its byte runs as int32."""
         return self._gathered([(f"{self.name}_bytes_{i}_{place['window']}.to(tl.int32)", place["field"] * plane.width)

@@ -10,7 +10,7 @@ import ptx
 import pytest
 
 from kvqc.compiler import planes
-from kvqc.compiler.layout import plan
+from kvqc.compiler.layout import WHOLE_BYTE_KINDS, plan
 from kvqc.compiler.spec import scheme_from_dict
 
 
@@ -32,17 +32,14 @@ FORMATS += [
 ]
 
 
-HAND_WRITTEN = ("u4", "u8", "lut2", "lut4", "lut3s")  # kvqc/compiler/runtime/ptx.py; test_lut*.py and the GPU
-
-
 def helpers(codebook: str, bits: int, residual: str | None):
     """Each plane helper a scheme of this format on both sides compiles (K with the residual, V with it unless QJL),
-    as (side, pairs, its source); every side's PTX kind is hand-written or among them."""
+    as (side, pairs, its source); every side's PTX kind is hand-written (runtime/ptx.py) or among them."""
     data = {"version": 1, "name": "planes", "head_dims": [128], "key": side_of(codebook, bits, residual),
             "value": side_of(codebook, bits, residual if residual != "qjl" else None)}
     layout = plan(scheme_from_dict(data))
     made = {kind for kind, _, _ in layout.plane_helpers}
-    assert all(side.fast_unpack in HAND_WRITTEN or side.fast_unpack in made for side in layout.sides)
+    assert all(side.fast_unpack in WHOLE_BYTE_KINDS or side.fast_unpack in made for side in layout.sides)
     return [(side, pairs, planes.helper_source(kind, pairs, side)) for kind, pairs, side in layout.plane_helpers]
 
 

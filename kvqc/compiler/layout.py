@@ -30,6 +30,8 @@ from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 HARDWARE_CONVERTED = "fp8 codes, which the hardware converts"
 # Lloyd-Max indices of this many bits or more read their entries with loads (SideLayout.lut_gather), fewer by prmt.
 GATHER_BITS = 5
+# The PTX kinds whose helpers are hand-written for whole code bytes (runtime/ptx.py); planes.py writes the others.
+WHOLE_BYTE_KINDS = ("u4", "u8", "lut2", "lut4", "lut3s")
 
 
 @dataclass(frozen=True)
@@ -752,7 +754,7 @@ class SideLayout:
     def plane_unpack(self) -> bool:
         """The side's PTX kind is made by the generated helper that gathers each code's bits from its planes
         (kernels/unpack.py.j2: one tile per call), not by one of the hand-written whole-byte helpers."""
-        return bool(self.fast_unpack) and self.fast_unpack not in ("u4", "u8", "lut2", "lut4", "lut3s")
+        return bool(self.fast_unpack) and self.fast_unpack not in WHOLE_BYTE_KINDS
 
     @property
     def pairs(self) -> bool:

@@ -62,7 +62,7 @@ def _lut1(pairs: bool) -> str:
 
 class _Helper:
     """One generated helper: its operands in order (outputs, planes, `upper`, fields, a sign residual's rms, the
-    lookup words or the centroid table's address) and the instructions over them."""
+    lookup words or the fp16 codebook's address) and the instructions over them."""
 
     def __init__(self, kind: str, pairs: bool, side: PlaneSide):
         self.kind, self.pairs, self.side = kind, pairs, side
@@ -101,7 +101,7 @@ class _Helper:
                     f"entries and +-1 signs, two tiles a call: {gather}; the sign bit, moved to bit 7 of its byte and "
                     "then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); the index bits alone "
                     f"{self.lookup_doc()}.")
-        if self.sign:
+        if self.sign and side.lloyd_max:
             return (f"{side.level_bits}-bit Lloyd-Max indices and the residual's sign above them{where} -> fp16 entry "
                     f"+ -rms, one tile a call: {gather}; the sign bit, moved to bit 15 of a half, flips rms's sign "
                     f"(one lop3) before a paired add; the index bits alone {self.lookup_doc()}.")

@@ -17,14 +17,15 @@ from kvqc.compiler.spec import scheme_from_dict
 def side_of(codebook: str, bits: int, residual: str | None) -> dict:
     if codebook == "uniform":
         side = {"scale": "minmax", "codebook": {"kind": "uniform", "bits": bits}}
-        return side | ({"residual": residual} if residual else {})
-    side = {"rotation": "hadamard", "scale": "norm", "codebook": {"kind": "lloyd_max", "bits": bits, "law": "gaussian"}}
+    else:
+        side = {"rotation": "hadamard", "scale": "norm", "codebook": {"kind": "lloyd_max", "bits": bits,
+                                                                      "law": "gaussian"}}
     if residual:
         side["residual"] = {"kind": "qjl", "seed": 3} if residual == "qjl" else residual
     return side
 
 
-FORMATS = [("uniform", bits, residual) for bits in range(1, 9) for residual in (None, "sign")
+FORMATS = [("uniform", bits, residual) for bits in range(1, 9) for residual in (None, "sign", "qjl")
            if bits + bool(residual) <= 8]
 FORMATS += [
     ("lloyd_max", bits, residual) for bits in range(1, 9) for residual in (None, "sign", "qjl")

@@ -333,7 +333,8 @@ class SideLayout:
         whose zero the shift carries too, and absmax ones, whose levels lie one above the codes the PTX helpers
         centre (code - 2**(bits - 1)), so their shift is the scale."""
         return bool(self.row_shift) or (self.scale_kind == "absmax" and bool(self.row_factor)
-                                        and self.scheme.codebook.kind == "uniform" and self.residual != "qjl")
+                                        and self.scheme.codebook.kind == "uniform"
+                                        and (self.residual != "qjl" or self.base == "key"))
 
     @property
     def code_mid(self) -> int:
@@ -723,13 +724,13 @@ class SideLayout:
         one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (other
         index widths), "lut<bits>s" (an index and the residual's sign above it: entry + -rms) and "lut<bits>qjl" (K's
         index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot) and
-        "u<bits>s" (a uniform level and the residual's sign: + - rms / scale, the residual in grid steps) are made by
+        "u<bits>s" (a uniform level and the residual's sign: + - rms / scale, the residual in grid steps) and
+        "u<bits>qjl" (K's level and its QJL sign bit, as lut<bits>qjl) are made by
         one helper per kind that gathers a code's bits from every plane (lut_gather: indices from GATHER_BITS bits on
         load their entries from the fp16 codebook).
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
         outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
-        V's per-channel scales, scale groups without group_dots, QJL on V and QJL beside a uniform grid keep the
-        portable path.
+        V's per-channel scales, scale groups without group_dots and QJL on V keep the portable path.
         Chunks padded to a power of two take the helpers as whole ones do: the load masks the padding columns' bytes to
         0, and what code 0 decodes to there (a finite codebook entry or grid level) meets zeros: K's padded query
         columns, and the padding rows of V's way back (the matrix's, or the positions the wrapper keeps), as on the
@@ -742,6 +743,8 @@ class SideLayout:
             return f"u{bits}"
         if kind == "uniform" and residual == "sign":
             return f"u{bits}s"
+        if kind == "uniform" and residual == "qjl" and self.base == "key":
+            return f"u{bits}qjl"
         if kind == "lloyd_max" and residual == "none":
             return f"lut{bits}"
         if kind == "lloyd_max" and residual == "sign":
@@ -971,7 +974,7 @@ class SideLayout:
                 return "scales per group of channels in a channel split"
             return "scales per group of channels on fp8 codes" if kind == "fp8" else "scale groups under 16 columns"
         if self.qjl:
-            return "a QJL residual on V" if self.base == "value" else "a QJL residual beside a uniform grid"
+            return "a QJL residual on V"
         return HARDWARE_CONVERTED  # fp8: every other whole side has a PTX helper
 
     @property

@@ -96,6 +96,11 @@ class _Helper:
         where = f", their bits in {n} planes," if n > 1 else ""
         gather = ("each plane's bits, at bit offset fieldN of its bytes, moved to their place in the "
                   + ("index" if side.lloyd_max and not (side.qjl or self.sign) else "code"))
+        if side.qjl and not side.lloyd_max:
+            return (f"{side.level_bits}-bit uniform codes and the QJL sign bit above them{where} -> fp16 code - "
+                    f"{side.code_centre} (centred, see decode) and +-1 signs, two tiles a call: {gather}; the sign "
+                    "bit, moved to bit 7 of its byte and then to bit 15 of a half, turns -1.0 into 1.0 (one lop3); "
+                    "prmt writes 0x64 above each code byte (1024 + code in fp16), one subtraction per pair.")
         if side.qjl:
             return (f"{side.level_bits}-bit Lloyd-Max indices and the QJL sign bit above them{where} -> fp16 codebook "
                     f"entries and +-1 signs, two tiles a call: {gather}; the sign bit, moved to bit 7 of its byte and "
@@ -133,7 +138,7 @@ class _Helper:
             names += ["z"] + ["l", "h", "m"] * (side.qjl or self.sign) + ["m"] * (groups > 1)
             names += ["o"] * side.qjl + ["r0", "r1"] * self.sign
         else:
-            names += ["e", "o"] + ["z", "l", "h", "m", "r0", "r1"] * self.sign
+            names += ["e", "o"] + ["z", "l", "h", "m"] * (self.sign or side.qjl) + ["r0", "r1"] * self.sign
         out = [".reg .b32 " + ", ".join(dict.fromkeys(names)) + ";"]
         if side.lut_gather:
             out += [".reg .b64 a;", ".reg .b16 e0, e1, e2, e3;"]
@@ -155,7 +160,7 @@ class _Helper:
 
     def body(self) -> list[str]:
         side = self.side
-        out = ["mov.b32 z, 0;"] if side.lloyd_max or self.sign else []
+        out = ["mov.b32 z, 0;"] if side.lloyd_max or self.sign or side.qjl else []
         if side.qjl or self.sign:
             # The bit above the index, moved to bit 7 of its byte, then to bit 15 of its half.
             out += [f"shl.b32 t, c, {7 - side.level_bits};", "prmt.b32 l, t, z, 0x1404;", "prmt.b32 h, t, z, 0x3424;",

@@ -723,11 +723,11 @@ class SideLayout:
         portable select trees. "u8" / "u4": uniform 8- / 4-bit codes in one plane, "lut2" / "lut4" Lloyd-Max indices in
         one plane, "lut3s" a 3-bit index and a residual sign; "u<bits>" (other widths, 1 to 8), "lut<bits>" (other
         index widths), "lut<bits>s" (an index and the residual's sign above it: entry + -rms) and "lut<bits>qjl" (K's
-        index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot) and
+        index and its QJL sign bit above it: the codebook tile and a +-1 tile for the projected query's dot),
         "u<bits>s" (a uniform level and the residual's sign: + - rms / scale, the residual in grid steps) and
-        "u<bits>qjl" (K's level and its QJL sign bit, as lut<bits>qjl) are made by
-        one helper per kind that gathers a code's bits from every plane (lut_gather: indices from GATHER_BITS bits on
-        load their entries from the fp16 codebook).
+        "u<bits>qjl" (K's level and its QJL sign bit, as lut<bits>qjl) are made by one helper per kind that gathers a
+        code's bits from every plane (planes.py; lut_gather: indices from GATHER_BITS bits on load their entries from
+        the fp16 codebook).
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
         outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
         V's per-channel scales, scale groups without group_dots and QJL on V keep the portable path.
@@ -756,7 +756,7 @@ class SideLayout:
     @property
     def plane_unpack(self) -> bool:
         """The side's PTX kind is made by the generated helper that gathers each code's bits from its planes
-        (kernels/unpack.py.j2: one tile per call), not by one of the hand-written whole-byte helpers."""
+        (planes.py: one tile per call), not by one of the hand-written whole-byte helpers."""
         return bool(self.fast_unpack) and self.fast_unpack not in WHOLE_BYTE_KINDS
 
     @property

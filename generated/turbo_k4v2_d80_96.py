@@ -1224,26 +1224,30 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * HEAD_DIM + dim, out)
 
 
-_MAP_DEPTH = 32  # rows of a map's matrix a step of _map_rows_kernel
+_MAP_ROWS, _MAP_COLS = 16, 32  # a program of _map_rows_kernel: rows of x by columns of the result
 
 
 @triton.jit
-def _map_rows_kernel(x_ptr, matrix_ptr, out_ptr, rows, X_COLS: tl.constexpr, OUT_COLS: tl.constexpr,
+def _map_rows_kernel(x_ptr, matrix_ptr, out_ptr, rows, scale, X_COLS: tl.constexpr, OUT_COLS: tl.constexpr,
                      WIDTH: tl.constexpr, STRIDE_K: tl.constexpr, STRIDE_N: tl.constexpr, ROWS: tl.constexpr,
-                     DEPTH: tl.constexpr, PRECISION: tl.constexpr):
-    """ROWS rows of x (X_COLS columns; the rest of WIDTH reads as zeros) times a WIDTH x WIDTH float32 matrix whose
-    entry (k, n) sits at k * STRIDE_K + n * STRIDE_N; the result's first OUT_COLS columns, in out's dtype. The
-    matrix comes DEPTH rows at a time: a whole one held in registers spills to the stack."""
+                     COLS: tl.constexpr):
+    """ROWS rows of x (X_COLS columns; the rest of WIDTH reads as zeros) times scale times a WIDTH x WIDTH matrix of
+    -1, 0, 1 in fp16 whose entry (k, n) sits at k * STRIDE_K + n * STRIDE_N; COLS of the result's first OUT_COLS
+    columns, in out's dtype. The products are exact: an fp16 x takes one fp16 dot, any other x two, of its fp16
+    halves (about 22 significant bits within fp16's range). A program reads its matrix columns in one step: a grid
+    of many small programs, each a single round trip to memory, is what keeps a map of a few hundred rows short."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    k = tl.arange(0, DEPTH)
-    n = tl.arange(0, WIDTH)
-    out = tl.zeros([ROWS, WIDTH], tl.float32)
-    for first in tl.static_range(0, X_COLS, DEPTH):
-        x = tl.load(x_ptr + row[:, None] * X_COLS + first + k[None, :],
-                    mask=(row[:, None] < rows) & (first + k[None, :] < X_COLS), other=0.0).to(tl.float32)
-        matrix = tl.load(matrix_ptr + (first + k[:, None]) * STRIDE_K + n[None, :] * STRIDE_N)
-        out = _mm(x, matrix, PRECISION, out)
-    tl.store(out_ptr + row[:, None] * OUT_COLS + n[None, :], out.to(out_ptr.dtype.element_ty),
+    n = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    k = tl.arange(0, WIDTH)
+    x = tl.load(x_ptr + row[:, None] * X_COLS + k[None, :], mask=(row[:, None] < rows) & (k[None, :] < X_COLS),
+                other=0.0)
+    matrix = tl.load(matrix_ptr + k[:, None] * STRIDE_K + n[None, :] * STRIDE_N)
+    if x.dtype == tl.float16:
+        out = tl.dot(x, matrix)
+    else:
+        hi, lo = _halves(x.to(tl.float32))
+        out = tl.dot(lo, matrix, tl.dot(hi, matrix))
+    tl.store(out_ptr + row[:, None] * OUT_COLS + n[None, :], (out * scale).to(out_ptr.dtype.element_ty),
              mask=(row[:, None] < rows) & (n[None, :] < OUT_COLS))
 
 
@@ -2069,11 +2073,18 @@ def decode(
     q = query.reshape(batch * num_q_heads, head_dim)  # _map_rows_kernel reads it in its own dtype
     width = _pow2(head_dim)  # position space: each chunk padded to a power of two
     mapped = scratch["mapped_query"]
-    # q @ key_rotation^T: the rotation's rows are positions, its columns input channels.
+    # q @ key_matrix^T, scaled: the matrix's rows are positions, its columns input channels.
     _launch_at(
-        launches, ("map_query", *aligned), _map_rows_kernel, (_cdiv(q.shape[0], 16),),
-        q, tables["key_rotation"], mapped, q.shape[0], X_COLS=head_dim, OUT_COLS=width, WIDTH=width, STRIDE_K=1,
-        STRIDE_N=width, ROWS=16, DEPTH=_MAP_DEPTH, PRECISION=_DOT_PRECISION,
+        launches, ("map_query", *aligned), _map_rows_kernel, (_cdiv(q.shape[0], _MAP_ROWS), width // _MAP_COLS),
+        q,
+        tables["key_matrix"],
+        mapped,
+        q.shape[0],
+        (1.0 / head_dim ** 0.5),
+        X_COLS=head_dim,
+        OUT_COLS=width,
+        WIDTH=width,
+        STRIDE_K=1, STRIDE_N=width, ROWS=_MAP_ROWS, COLS=_MAP_COLS,
     )
     q = mapped  # rotated once, in position order
     q = q.contiguous()
@@ -2141,11 +2152,14 @@ def decode(
     out = merged if merging else reduce(partial_out, out=scratch["merged"])
     mapped = target if target is not None and target.is_contiguous() else torch.empty_like(query)
     width = out.shape[1]
-    # merged @ value_rotation, its first head_dim columns (the rest is padding).
+    # merged @ value_matrix, scaled, its first head_dim columns (the rest is padding).
     _launch_at(
-        launches, ("map_output", *aligned), _map_rows_kernel, (_cdiv(out.shape[0], 16),),
-        out, tables["value_rotation"], mapped, out.shape[0], X_COLS=width, OUT_COLS=head_dim, WIDTH=width,
-        STRIDE_K=width, STRIDE_N=1, ROWS=16, DEPTH=_MAP_DEPTH, PRECISION=_DOT_PRECISION,
+        launches,
+        ("map_output", *aligned),
+        _map_rows_kernel,
+        (_cdiv(out.shape[0], _MAP_ROWS), _cdiv(head_dim, _MAP_COLS)),
+        out, tables["value_matrix"], mapped, out.shape[0], (1.0 / head_dim ** 0.5), X_COLS=width, OUT_COLS=head_dim,
+        WIDTH=width, STRIDE_K=width, STRIDE_N=1, ROWS=_MAP_ROWS, COLS=_MAP_COLS,
     )
     out = mapped  # back to the input basis, once
     out = out.view(batch, num_q_heads, head_dim).to(query.dtype)

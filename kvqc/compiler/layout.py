@@ -602,7 +602,11 @@ class SideLayout:
     @property
     def matrix_unit(self) -> str:
         """What the matrix's -1/0/1 entries are multiplied by: the rotation's 1/sqrt(d), or 1 for a permutation."""
-        return f"(1.0 / {self.dim} ** 0.5)" if self.rotated else "1.0"
+        return self.unit_of(self.dim)
+
+    def unit_of(self, head_dim: str) -> str:
+        """matrix_unit with the head size named `head_dim` (a kernel's constexpr, or a wrapper's variable)."""
+        return f"(1.0 / {head_dim} ** 0.5)" if self.rotated else "1.0"
 
     @property
     def butterflies(self) -> tuple[tuple[int, int], ...]:
@@ -1454,7 +1458,7 @@ class Layout:
     def splits_halves(self) -> bool:
         """Some kernel splits float32 tiles into fp16 halves (runtime/helpers.py's `_halves`): fill or flatten rotates
         in Hadamard blocks or by a dense matrix, or projects a QJL residual."""
-        return self.rotates_in_blocks or self.dense_matrix or self.builds_qjl
+        return self.rotates_in_blocks or self.dense_matrix or self.builds_qjl or self.maps_by_matrix
 
     @property
     def rotates_in_blocks(self) -> bool:

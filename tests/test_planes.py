@@ -1,4 +1,4 @@
-"""The PTX helpers that gather each code's bits from its planes (kvqc/compiler/planes.py), run by the emulator of
+"""The PTX helpers that gather each code's bits from its planes (kvqc/compiler/pieces/planes.py), run by the emulator of
 tests/ptx.py where no GPU runs them: for every uniform width and every Lloyd-Max index width, alone, with a sign
 residual or (Lloyd-Max K) with its QJL bit, each element is what the code its bytes hold decodes to.
 """
@@ -9,7 +9,7 @@ import numpy as np
 import ptx
 import pytest
 
-from kvqc.compiler import planes
+from kvqc.compiler.pieces import planes
 from kvqc.compiler.layout import WHOLE_BYTE_KINDS, plan
 from kvqc.compiler.spec import scheme_from_dict
 

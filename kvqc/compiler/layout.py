@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass
 
 from kvqc.numerics import rotation
-from kvqc.compiler import planes
+from kvqc.compiler.pieces import planes
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 

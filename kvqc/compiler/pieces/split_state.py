@@ -13,7 +13,7 @@ filter).
 
 from __future__ import annotations
 
-from kvqc.compiler import scale_groups
+from kvqc.compiler.pieces import scale_groups
 
 LOOP = " " * 12  # the rescale branch inside the tile loop, as decode.py.j2 writes it before its indent filter
 

@@ -1,0 +1,10 @@
+"""Pieces of generated source that Python lays out and the templates place: where a piece's lines depend on the
+plan in ways a template would need loops and branches for (chunks, bit planes, scale groups, head_dims), they are
+written here, from the Layout, and linted and read as Python.
+
+- planes.py: decode's PTX helpers that gather each code's bits from its bit planes.
+- scale_groups.py: decode's dots and accumulators for scales per group of channels.
+- split_state.py: a decode split's query tiles and V accumulators.
+- selects.py: the portable codebook select trees.
+- constants.py: the module's per-side constants and codebook tables.
+"""

@@ -7,4 +7,5 @@ written here, from the Layout, and linted and read as Python.
 - split_state.py: a decode split's query tiles and V accumulators.
 - selects.py: the portable codebook select trees.
 - constants.py: the module's per-side constants and codebook tables.
+- tables.py: what `_tables` builds per side.
 """

@@ -430,7 +430,7 @@ class SideLayout:
         return (f"{self.name}_matrix_ptr + ({c} * {self.chunk_pad} + {self.name}_chunk[:, None]) * {self.head_pad} + k"
                 " + dim[None, :]")
 
-    # What macros/codes.j2 substitutes to unpack and pack the bit planes (see the module docstring on positions).
+    # What pieces/packing.py writes to unpack and pack the bit planes (see the module docstring on positions).
     @property
     def plane_ranges(self) -> tuple[tuple[int, int], ...]:
         """(plane index, byte range) of every chunk-wide byte range of every plane, in load order: each is one

@@ -66,7 +66,7 @@ VALUE_GROUP_SIZE = None  # channels sharing one set of metadata; None: the whole
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
-# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
+# projection, float32 queries; the rotations go through fp16 halves, pieces/rotate.py).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None

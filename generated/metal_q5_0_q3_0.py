@@ -120,7 +120,7 @@ _VALUE_SIGNS = {
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
-# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
+# projection, float32 queries; the rotations go through fp16 halves, pieces/rotate.py).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
@@ -372,7 +372,7 @@ def _fill_kernel(
             other=0.0,
         )
 
-        # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+        # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
         parity = key_chunk[:, None] & key_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)
@@ -702,7 +702,7 @@ def _fill_kernel(
             other=0.0,
         )
 
-        # Into position order by H_8 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+        # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
         parity = value_chunk[:, None] & value_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)
@@ -1158,7 +1158,7 @@ def _flatten_kernel(
             tile_6 = tile_6.to(tl.float32)
             tile_7 = tile_7.to(tl.float32)
         else:
-            # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
+            # Back to the input basis by H_8 (x) H_chunk (pieces/rotate.py), then the signs.
             parity = key_chunk[:, None] & key_chunk[None, :]
             parity = parity ^ (parity >> 4)
             parity = parity ^ (parity >> 2)
@@ -1401,7 +1401,7 @@ def _flatten_kernel(
             tile_6 = tile_6.to(tl.float32) * value_norm[:, None]
             tile_7 = tile_7.to(tl.float32) * value_norm[:, None]
         else:
-            # Back to the input basis by H_8 (x) H_chunk (macros/rotate.j2), then the signs.
+            # Back to the input basis by H_8 (x) H_chunk (pieces/rotate.py), then the signs.
             parity = value_chunk[:, None] & value_chunk[None, :]
             parity = parity ^ (parity >> 4)
             parity = parity ^ (parity >> 2)

@@ -92,7 +92,7 @@ _VALUE_CENTROIDS = {
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
-# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
+# projection, float32 queries; the rotations go through fp16 halves, pieces/rotate.py).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
@@ -323,7 +323,7 @@ def _fill_kernel(
 
     # key
 
-    # Into position order by the -1/0/1 matrix (macros/rotate.j2), IN_BLOCK input columns at a time.
+    # Into position order by the -1/0/1 matrix (pieces/rotate.py), IN_BLOCK input columns at a time.
     x_0 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
     x_1 = tl.zeros([BLOCK_T, KEY_CHUNK_PAD], tl.float32)
     if key_ptr.dtype.element_ty == tl.float16:
@@ -406,7 +406,7 @@ def _fill_kernel(
 
     # value
 
-    # Into position order by the -1/0/1 matrix (macros/rotate.j2), IN_BLOCK input columns at a time.
+    # Into position order by the -1/0/1 matrix (pieces/rotate.py), IN_BLOCK input columns at a time.
     x_0 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
     x_1 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
     x_2 = tl.zeros([BLOCK_T, VALUE_CHUNK_PAD], tl.float32)
@@ -629,8 +629,8 @@ def _flatten_kernel(
         tile_1 = tile
 
         # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
-        # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
-        # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
+        # after dividing each row by its largest magnitude (pieces/rotate.py), IN_BLOCK output columns at a time.
+        # An fp16 or bf16 output takes the hi halves alone (pieces/rotate.py).
         largest = tl.maximum(tl.max(tl.abs(tile_0), axis=1), tl.max(tl.abs(tile_1), axis=1))
         spread = 1.0 / tl.maximum(largest, 1e-30)
         tile = tile_0 * spread[:, None]
@@ -687,8 +687,8 @@ def _flatten_kernel(
         tile_3 = tile
 
         # Back to the input basis: out = sum over chunks of tile_c @ matrix[chunk c rows], on the tiles' fp16 halves
-        # after dividing each row by its largest magnitude (macros/rotate.j2), IN_BLOCK output columns at a time.
-        # An fp16 or bf16 output takes the hi halves alone (macros/rotate.j2).
+        # after dividing each row by its largest magnitude (pieces/rotate.py), IN_BLOCK output columns at a time.
+        # An fp16 or bf16 output takes the hi halves alone (pieces/rotate.py).
         largest = tl.maximum(
             tl.max(tl.abs(tile_0), axis=1),
             tl.maximum(

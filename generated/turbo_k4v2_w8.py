@@ -160,7 +160,7 @@ _VALUE_SIGNS = {
 DEBUG = os.environ.get("KVQC_DEBUG", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Codes must land in the same Lloyd-Max cell as the float64 reference: no plain tf32 products (float32 dots: QJL's
-# projection, float32 queries; the rotations go through fp16 halves, macros/rotate.j2).
+# projection, float32 queries; the rotations go through fp16 halves, pieces/rotate.py).
 _DOT_PRECISION = "ieee" if _INTERPRET else "tf32x3"
 # Compiled CUDA, not the interpreter or HIP: where inline PTX and griddepcontrol exist.
 _COMPILED_CUDA = not _INTERPRET and torch.version.hip is None
@@ -453,7 +453,7 @@ def _fill_kernel(
             other=0.0,
         )
 
-        # Into position order by H_2 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+        # Into position order by H_2 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
         parity = key_chunk[:, None] & key_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)
@@ -530,7 +530,7 @@ def _fill_kernel(
             other=0.0,
         )
 
-        # Into position order by H_4 (x) H_chunk (macros/rotate.j2): one dot per chunk, then butterflies.
+        # Into position order by H_4 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
         parity = value_chunk[:, None] & value_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)
@@ -763,7 +763,7 @@ def _flatten_kernel(
 
             tile_1 = tile
 
-        # Back to the input basis by H_2 (x) H_chunk (macros/rotate.j2), then the signs.
+        # Back to the input basis by H_2 (x) H_chunk (pieces/rotate.py), then the signs.
         parity = key_chunk[:, None] & key_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)
@@ -853,7 +853,7 @@ def _flatten_kernel(
 
             tile_3 = tile
 
-        # Back to the input basis by H_4 (x) H_chunk (macros/rotate.j2), then the signs.
+        # Back to the input basis by H_4 (x) H_chunk (pieces/rotate.py), then the signs.
         parity = value_chunk[:, None] & value_chunk[None, :]
         parity = parity ^ (parity >> 4)
         parity = parity ^ (parity >> 2)

@@ -380,7 +380,7 @@ def poisoned_behaviour(m, side: str, value: float):
     gives NaN, -inf where q[0] > 0 drops the token and the output is finite.
 
     These are fp16 inputs. A rotated scheme's fill multiplies fp16 rows by the -1/0/1 rotation as they stand, but
-    divides rows of other dtypes by their largest magnitude first (macros/rotate.j2): there an inf makes the
+    divides rows of other dtypes by their largest magnitude first (pieces/rotate.py): there an inf makes the
     whole row NaN, so the 'sign' case below becomes 'nonfinite'.
 
     The same classes held compiled on an H100 (the finiteness asserts below ran there; the row-minimum one is

@@ -21,7 +21,7 @@ import jinja2
 from kvqc import __version__
 from kvqc.numerics import rotation
 from kvqc.compiler.fold import fold, folded_tree
-from kvqc.compiler.pieces import constants, packing, scale_groups, selects, split_state, tables
+from kvqc.compiler.pieces import constants, packing, rotate, scale_groups, selects, split_state, tables
 from kvqc.compiler.pieces.packing import over
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
@@ -44,8 +44,8 @@ def _environment() -> jinja2.Environment:
     env.filters["packed"] = packed
     env.filters["over"] = over
     # The pieces Python lays out (kvqc/compiler/pieces/), for the templates to place.
-    env.globals.update(constants=constants, packing=packing, scale_groups=scale_groups, selects=selects,
-                       split_state=split_state, tables=tables)
+    env.globals.update(constants=constants, packing=packing, rotate=rotate, scale_groups=scale_groups,
+                       selects=selects, split_state=split_state, tables=tables)
     return env
 
 

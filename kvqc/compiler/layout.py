@@ -598,7 +598,7 @@ class SideLayout:
         """Each row's sum of squares over the chunks `<var>_<c>`."""
         return " + ".join(f"tl.sum({var}_{c} * {var}_{c}, axis=1)" for c in range(self.chunks))
 
-    # What macros/rotate.j2 substitutes for rotations in Hadamard blocks.
+    # What pieces/rotate.py writes for rotations in Hadamard blocks.
     @property
     def matrix_unit(self) -> str:
         """What the matrix's -1/0/1 entries are multiplied by: the rotation's 1/sqrt(d), or 1 for a permutation."""
@@ -1462,7 +1462,7 @@ class Layout:
 
     @property
     def rotates_in_blocks(self) -> bool:
-        """Fill or flatten rotates some side in Hadamard blocks (macros/rotate.j2), by runtime/helpers.py's
+        """Fill or flatten rotates some side in Hadamard blocks (pieces/rotate.py), by runtime/helpers.py's
         `_halves_dot`."""
         return any(side.hadamard_blocks for side in self.sides)
 

@@ -1,0 +1,108 @@
+"""Fill and flatten move rows between the input basis and position order with one d x d matrix: the rotation and
+the packing's permutation together, stored with entries -1, 0 and 1 in fp16 (tables' `<side>_matrix`), so
+tensor-core products with it are exact. The rows it meets are divided by their largest magnitude and split into two
+fp16 halves (`_halves`: hi + lo hold 22 significant bits): two fp16 dots give float32's precision where tf32x3 took
+three tf32 ones on a float32 matrix twice the size.
+
+Sylvester's H_d is H_n (x) H_C over (chunk, column) for n chunks of C columns: entry (i, j) is -1 where i & j has
+odd parity, and the bits of i split into the chunk's and the column's (SideLayout.hadamard_blocks). So with
+positions in coordinate order a side rotates by one C x C dot per chunk and butterflies across the n chunks, n times
+fewer products than the d x d matrix, and H_C comes from bit parity in registers, not memory. The random signs are
+the matrix's first row (Sylvester's first row is all ones).
+
+Each function returns kernel lines at the kernel body's indent (4 spaces).
+"""
+
+from __future__ import annotations
+
+BODY = " " * 4
+
+
+def row_spread(var: str, side) -> str:
+    """`largest`: the rows' largest magnitude over the side's chunks `<var>_<c>` (float32), `spread` its inverse
+    (no newline after the last line)."""
+    return (f"{BODY}largest = {side.reduce_chunks('tl.maximum', f'tl.max(tl.abs({var}_%d), axis=1)')}\n"
+            f"{BODY}spread = 1.0 / tl.maximum(largest, 1e-30)")
+
+
+def row_halves(var: str, side) -> str:
+    """`hi_<c>`, `lo_<c>`: halves of `<var>_<c>` over the rows' largest magnitude, for a dense matrix's dots, which
+    take each chunk's halves once per block of output columns."""
+    out = row_spread(var, side) + "\n"
+    for c in range(side.chunks):
+        out += f"{BODY}tile = {var}_{c} * spread[:, None]\n{BODY}hi_{c}, lo_{c} = _halves(tile)\n"
+    return out
+
+
+def chunk_hadamard(side) -> str:
+    """`<side>_hadamard`: H_C, +-1 in fp16 (no newline after the last line)."""
+    chunk = f"{side.name}_chunk"
+    return "\n".join(BODY + line for line in [
+        f"parity = {chunk}[:, None] & {chunk}[None, :]", "parity = parity ^ (parity >> 4)",
+        "parity = parity ^ (parity >> 2)", "parity = parity ^ (parity >> 1)",
+        f"{side.name}_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)"])
+
+
+def butterflies(var: str, side) -> str:
+    """`<var>_0 .. <var>_(n-1)` <- H_n applied across a side's n chunks (a fast Walsh-Hadamard transform over whole
+    tiles)."""
+    return "".join(f"{BODY}twin = {var}_{i} - {var}_{j}\n{BODY}{var}_{i} = {var}_{i} + {var}_{j}\n"
+                   f"{BODY}{var}_{j} = twin\n" for i, j in side.butterflies)
+
+
+def rotate_in_blocks(side) -> str:
+    """Fill: `x_<c>` = chunk c of the rotated rows (position order), float32, from `<side>_input_<c>`."""
+    name, chunks, unit = side.name, range(side.chunks), side.matrix_unit
+    signs = [f"tl.load({name}_matrix_ptr + {side.chunk_columns(c)})" for c in chunks]
+    halves_dot = "".join(f"{BODY}x_{c} = {name}_input_{c}.to(tl.float32) * {signs[c]}.to(tl.float32)[None, :]\n"
+                         for c in chunks)
+    halves_dot += row_spread("x", side) + "\n"
+    halves_dot += "".join(f"{BODY}x_{c} = _halves_dot(x_{c} * spread[:, None], {name}_hadamard)\n" for c in chunks)
+    halves_dot += f"{BODY}largest = largest * {unit}\n"
+    out = (f"{BODY}# Into position order by H_{side.chunks} (x) H_chunk (pieces/rotate.py): one dot per chunk, then "
+           f"butterflies.\n{chunk_hadamard(side)}\n")
+    if side.centered:
+        out += f"{BODY}# Centered rows are float32: each row divided by its largest magnitude, then its fp16 halves.\n"
+        out += halves_dot
+    else:
+        out += (f"{BODY}if {side.base}_ptr.dtype.element_ty == tl.float16:\n"
+                f"{BODY}    # fp16 rows times +-1 are exact products as they stand: one dot.\n")
+        out += "".join(f"{BODY}    x_{c} = tl.dot({name}_input_{c} * {signs[c]}[None, :], {name}_hadamard)\n"
+                       for c in chunks)
+        out += (f"{BODY}    largest = tl.full([BLOCK_T], {unit}, tl.float32)\n{BODY}else:\n"
+                f"{BODY}    # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.\n")
+        out += _indent(halves_dot)
+    out += butterflies("x", side) + "\n"
+    return out + "".join(f"{BODY}x_{c} = x_{c} * largest[:, None]\n" for c in chunks)
+
+
+def rotate_out_blocks(side) -> str:
+    """Flatten: `tile_<c>` (position order, float32) <- chunk c of the rows in the input basis. The tiles come in as
+    float32, or as fp16 codebook entries for an fp16 or bf16 output (flatten's PTX lookups), which the one-dot
+    branch takes as they are."""
+    name, chunks = side.name, range(side.chunks)
+    out = (f"{BODY}# Back to the input basis by H_{side.chunks} (x) H_chunk (pieces/rotate.py), then the signs.\n"
+           f"{chunk_hadamard(side)}\n{BODY}if {side.base}_out_ptr.dtype.element_ty == tl.float32:\n"
+           f"{_indent(row_spread('tile', side))}\n")
+    out += "".join(f"{BODY}    tile_{c} = _halves_dot(tile_{c} * spread[:, None], {name}_hadamard)\n" for c in chunks)
+    out += f"{BODY}else:\n"
+    if side.factor_after_matrix:
+        out += (f"{BODY}    # The codebook's values as they stand (the row factor follows the matrix).\n"
+                f"{BODY}    largest = tl.full([BLOCK_T], 1.0, tl.float32)\n")
+        out += "".join(f"{BODY}    tile_{c} = tl.dot(tile_{c}.to(tl.float16), {name}_hadamard)\n" for c in chunks)
+    else:
+        out += (f"{BODY}    # The hi halves alone, for an fp16 or bf16 output: their rounding (2^-11 of the row's "
+                f"largest entry) adds\n{BODY}    # about as much error as the output's own.\n"
+                f"{_indent(row_spread('tile', side))}\n")
+        out += "".join(f"{BODY}    tile_{c} = tl.dot((tile_{c} * spread[:, None]).to(tl.float16), {name}_hadamard)\n"
+                       for c in chunks)
+    out += butterflies("tile", side) + "\n"
+    factor = f" * {name}_{side.row_factor}" if side.factor_after_matrix else ""
+    out += f"{BODY}largest = largest * {side.matrix_unit}{factor}\n"
+    return out + "".join(f"{BODY}tile_{c} = tile_{c} * largest[:, None] * tl.load({name}_matrix_ptr + "
+                         f"{side.chunk_columns(c)}).to(tl.float32)[None, :]\n" for c in chunks)
+
+
+def _indent(text: str) -> str:
+    """Four more spaces on every line that has text."""
+    return "\n".join(BODY + line if line else line for line in text.split("\n"))

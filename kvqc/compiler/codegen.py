@@ -21,7 +21,8 @@ import jinja2
 from kvqc import __version__
 from kvqc.numerics import rotation
 from kvqc.compiler.fold import fold, folded_tree
-from kvqc.compiler.pieces import constants, packing, rotate, scale_groups, selects, split_state, tables
+from kvqc.compiler.pieces import (cache_rows, constants, packing, rotate, scale_groups, selects, signature, split_state,
+                                  tables)
 from kvqc.compiler.pieces.packing import over
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
@@ -41,25 +42,12 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters["packed"] = packed
     env.filters["over"] = over
     # The pieces Python lays out (kvqc/compiler/pieces/), for the templates to place.
-    env.globals.update(constants=constants, packing=packing, rotate=rotate, scale_groups=scale_groups,
-                       selects=selects, split_state=split_state, tables=tables)
+    env.globals.update(cache_rows=cache_rows, constants=constants, packing=packing, rotate=rotate,
+                       scale_groups=scale_groups, selects=selects, signature=signature, split_state=split_state,
+                       tables=tables)
     return env
-
-
-def packed(items: list[str], indent: str, width: int = 120) -> str:
-    """`items`, each followed by a comma, as few lines within `width` columns as fit them: the first line's indent is
-    the template's, the others' `indent`."""
-    lines, line = [], ""
-    for item in items:
-        if line and len(indent) + len(line) + len(item) + 2 > width:
-            lines.append(line.rstrip())
-            line = ""
-        line += f"{item}, "
-    lines.append(line.rstrip())
-    return ("\n" + indent).join(lines)
 
 
 def _floats(values: tuple[float, ...]) -> str:

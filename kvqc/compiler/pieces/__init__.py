@@ -10,4 +10,6 @@ written here, from the Layout, and linted and read as Python.
 - selects.py: the portable codebook select trees.
 - constants.py: the module's per-side constants and codebook tables.
 - tables.py: what `_tables` builds per side.
+- cache_rows.py: a cache row's address expressions.
+- signature.py: a kernel's parameters and its launch's arguments, from one list.
 """

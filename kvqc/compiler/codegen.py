@@ -22,7 +22,7 @@ from kvqc import __version__
 from kvqc.numerics import rotation
 from kvqc.compiler.fold import fold, folded_tree
 from kvqc.compiler.pieces import (cache_rows, constants, packing, rotate, scale_groups, selects, signature, split_state,
-                                  tables)
+                                  tables, unpack)
 from kvqc.compiler.pieces.packing import over
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
@@ -46,7 +46,7 @@ def _environment() -> jinja2.Environment:
     # The pieces Python lays out (kvqc/compiler/pieces/), for the templates to place.
     env.globals.update(cache_rows=cache_rows, constants=constants, packing=packing, rotate=rotate,
                        scale_groups=scale_groups, selects=selects, signature=signature, split_state=split_state,
-                       tables=tables)
+                       tables=tables, unpack=unpack)
     return env
 
 

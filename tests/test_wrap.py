@@ -5,7 +5,10 @@ import textwrap
 
 import pytest
 
+from kvqc.compiler import codegen
+from kvqc.compiler.spec import load_scheme
 from kvqc.compiler.wrap import same_tree, wrap
+from kvqc.modules import SCHEMES
 
 CASES = {
     "call": "x = tl.load(key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk"
@@ -74,3 +77,13 @@ def test_an_f_string_wraps_the_same_on_every_python():
         "            \"tokens in a ring; pass max_seqs, the most sequences alive at once\"",
         "        )",
     ]
+
+
+@pytest.mark.parametrize("step", ["fold", "wrap"])
+def test_render_refuses_a_text_pass_that_changes_the_program(monkeypatch, step):
+    # Folding and wrapping may change the source's text only as their contracts say; render checks the syntax tree
+    # after each and refuses a module where either changed the program.
+    original = getattr(codegen, step)
+    monkeypatch.setattr(codegen, step, lambda source: original(source).replace("tl.arange(", "tl.arange_(", 1))
+    with pytest.raises(AssertionError, match="folding" if step == "fold" else "wrapping"):
+        codegen.render(load_scheme(SCHEMES / "int8_token.yaml"))

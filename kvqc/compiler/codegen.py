@@ -8,6 +8,7 @@ output on every run, and files are replaced atomically.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import os
@@ -26,14 +27,17 @@ from kvqc.compiler.pieces import (cache_rows, constants, packing, rotate, scale_
 from kvqc.compiler.pieces.packing import over
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
-from kvqc.compiler.wrap import same_tree, wrap
+from kvqc.compiler.wrap import wrap
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 RUNTIME = Path(__file__).resolve().parent / "runtime"
 RUNTIME_MARKER = "# ---- generated modules carry the rest of this file verbatim ----\n"
 
 
+@functools.lru_cache(maxsize=None)
 def _environment() -> jinja2.Environment:
+    """One environment a process: it keeps each template compiled (about 1.1 s of a render) and recompiles one whose
+    file changed."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -216,11 +220,12 @@ def render(scheme: Scheme) -> str:
     rendered = ast.parse(source, f"generated/{scheme.name}.py")
     source = fold(source)
     tree = ast.parse(source, f"generated/{scheme.name}.py")
-    if not same_tree(folded_tree(rendered), tree):  # unit terms only: a fold that did more would be a kvqc bug
+    shape = ast.dump(tree)  # the syntax tree, positions aside, taken once for both checks below
+    if ast.dump(folded_tree(rendered)) != shape:  # unit terms only: a fold that did more would be a kvqc bug
         raise AssertionError(f"kvqc: folding {scheme.name}'s unit terms changed more than those terms")
     compile(tree, f"generated/{scheme.name}.py", "exec")  # a template bug fails here, not in an engine
     wrapped = wrap(source)
-    if not same_tree(tree, wrapped):  # layout only: a wrap that changed the program would be a kvqc bug
+    if ast.dump(ast.parse(wrapped)) != shape:  # layout only: a wrap that changed the program would be a kvqc bug
         raise AssertionError(f"kvqc: wrapping {scheme.name}'s long lines changed its syntax tree")
     return wrapped
 

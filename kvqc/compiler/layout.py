@@ -619,7 +619,7 @@ class SideLayout:
         """Chunk c's columns in a head-wide row: `<SIDE>_CHUNK` steps from the first chunk's `<side>_chunk`."""
         return f"{c} * {self.name.upper()}_CHUNK + {self.name}_chunk" if c else f"{self.name}_chunk"
 
-    # What tables.py.j2's `_tables` substitutes to build this part's constant tensors (d: the part's width there).
+    # What pieces/tables.py writes into `_tables` to build this part's constant tensors (d: the part's width there).
     @property
     def order_expr(self) -> str:
         """The coordinate held at each position, as `_tables` computes it: interleaved packing's order, or
@@ -1468,7 +1468,7 @@ class Layout:
 
     @property
     def codebook_sizes(self) -> tuple[int, ...]:
-        """The entry counts of the scalar codebooks some side selects from (module.py.j2's `_codebook_<levels>`)."""
+        """The entry counts of the scalar codebooks some side selects from (`_codebook_<levels>`, pieces/selects.py)."""
         return tuple(sorted({side.levels for side in self.sides if side.scalar_codebook}))
 
     @property

@@ -106,3 +106,33 @@ def rotate_out_blocks(side) -> str:
 def _indent(text: str) -> str:
     """Four more spaces on every line that has text."""
     return "\n".join(BODY + line if line else line for line in text.split("\n"))
+
+
+def decode_query(key) -> str:
+    """_decode_kernel's query in position order, `rotated_<c>` (float32 [GROUP_PAD, C], chunk c). With ROTATE, from the
+    query as given (rows of head_dim in the model's dtype), where `_rotate_query_kernel` takes a launch and a float32
+    copy: the signs, then H_d as H_n (x) H_C over the n chunks of C columns - each chunk times H_C, ROT query columns a
+    dot against the matching rows of H_C (bit parity in registers: entries +-1, exact in any dot dtype), then
+    butterflies across the chunks. Without, `_rotate_query_kernel`'s rows."""
+    name, upper, chunks = key.name, key.name.upper(), range(key.chunks)
+    rows = "query_ptr + q_row[:, None] * HEAD_DIM"
+    rotating = ""
+    for c in chunks:
+        rotating += "".join(f"{BODY}{line}\n" for line in [
+            f"rotated_{c} = tl.zeros([GROUP_PAD, {upper}_CHUNK], tl.float32)",
+            f"for k in tl.static_range({upper}_CHUNK // ROT):",
+            f"    column = {c} * {upper}_CHUNK + k * ROT + rot",
+            f"    x = tl.load({rows} + column[None, :], mask=q_valid[:, None], other=0.0)",
+            f"    x = x.to(tl.float32) * tl.load({name}_matrix_ptr + column).to(tl.float32)[None, :]"
+            "  # the signs: exact",
+            f"    parity = (k * ROT + rot)[:, None] & {name}_chunk[None, :]",
+            "    parity = parity ^ (parity >> 4)", "    parity = parity ^ (parity >> 2)",
+            "    parity = parity ^ (parity >> 1)",
+            f"    rotated_{c} = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, "
+            f"rotated_{c})"])
+    rotating += butterflies("rotated", key) + "\n"
+    rotating += "".join(f"{BODY}rotated_{c} *= {key.matrix_unit}\n" for c in chunks)
+    out = (f"{BODY}ROT: tl.constexpr = min({upper}_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers "
+           f"stay few\n{BODY}rot = tl.arange(0, ROT)\n{BODY}if ROTATE:\n{_indent(rotating)}{BODY}else:\n")
+    return out + "".join(f"{BODY}    rotated_{c} = tl.load({rows} + {c} * {upper}_CHUNK + {name}_chunk[None, :], "
+                         "mask=q_valid[:, None], other=0.0)\n" for c in chunks)

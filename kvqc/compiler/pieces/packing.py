@@ -81,3 +81,44 @@ def chunk_consts(side, span: bool = False) -> str:
             lines.append(f"{name}_group_in = tl.arange(0, {upper}_GROUPS) < {upper}_CHUNK // {size}")
     lines.append(f"{name}_chunk = tl.arange(0, {side.chunk_pad})")
     return "\n".join(BODY + line for line in lines)
+
+
+def load_codes(side, fast: str) -> str:
+    """Decode's code loads for the rows `row`: V's 32-bit words (word_unpack); every plane's bytes as loaded, for the
+    PTX helpers (plane_unpack), or a whole-byte PTX kind's one plane; else as int32, for the portable path."""
+    name = side.name
+    if side.word_unpack:
+        return (f"        {name}_words = tl.load({name}_codes_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * "
+                f"{name.upper()}_WORDS + {name}_word[None, :], mask=valid[:, None], other=0)\n")
+    if fast and not side.plane_unpack:
+        return (f"        {name}_bytes_0_0 = tl.load({plane_ptr(side, 0, 0)}, mask={column_mask(side, 'valid')}, "
+                "other=0)\n")
+    return indented(load_planes(side, "valid", raw=bool(fast))) + "\n"
+
+
+def load_pairs(side) -> str:
+    """A side read in pairs of chunks (SideLayout.pairs): `<side>_pair_0`, the narrowest plane's chunk bytes twice
+    over, and `<side>_pair_<p>_<j>`, plane p's byte runs j of two chunks."""
+    return "".join(f"        {name} = tl.load({side.name}_codes_ptr + row[:, None] * {side.code_row_bytes}{at}, "
+                   "mask=valid[:, None], other=0)\n" for name, at in side.pair_loads)
+
+
+def int_pairs(side) -> str:
+    """The portable path's int32 view of the pair bytes."""
+    return "".join(f"            {name} = {name}.to(tl.int32)\n" for name, _ in side.pair_loads)
+
+
+def pair_code(side, k: int) -> str:
+    """`code` of pair k (plane 0's field one further where `upper`), on the portable path."""
+    return "".join(f"            code = {bits}\n" for bits in side.pair_code(k))
+
+
+def int_planes(side) -> str:
+    """The portable path's int32 view of every plane's bytes that a plane_unpack side loaded raw."""
+    return "".join(f"            {side.name}_bytes_{p}_{r} = {side.name}_bytes_{p}_{r}.to(tl.int32)\n"
+                   for p, r in side.plane_ranges)
+
+
+def indented(text: str) -> str:
+    """Four more spaces on every line that has text (Jinja's `indent(4, first=True)`)."""
+    return "\n".join(BODY + line if line else line for line in text.split("\n"))

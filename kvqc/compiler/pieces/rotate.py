@@ -15,6 +15,8 @@ Each function returns kernel lines at the kernel body's indent (4 spaces).
 
 from __future__ import annotations
 
+from kvqc.compiler.pieces.packing import indented
+
 BODY = " " * 4
 
 
@@ -71,7 +73,7 @@ def rotate_in_blocks(side) -> str:
                        for c in chunks)
         out += (f"{BODY}    largest = tl.full([BLOCK_T], {unit}, tl.float32)\n{BODY}else:\n"
                 f"{BODY}    # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.\n")
-        out += _indent(halves_dot)
+        out += indented(halves_dot)
     out += butterflies("x", side) + "\n"
     return out + "".join(f"{BODY}x_{c} = x_{c} * largest[:, None]\n" for c in chunks)
 
@@ -83,7 +85,7 @@ def rotate_out_blocks(side) -> str:
     name, chunks = side.name, range(side.chunks)
     out = (f"{BODY}# Back to the input basis by H_{side.chunks} (x) H_chunk (pieces/rotate.py), then the signs.\n"
            f"{chunk_hadamard(side)}\n{BODY}if {side.base}_out_ptr.dtype.element_ty == tl.float32:\n"
-           f"{_indent(row_spread('tile', side))}\n")
+           f"{indented(row_spread('tile', side))}\n")
     out += "".join(f"{BODY}    tile_{c} = _halves_dot(tile_{c} * spread[:, None], {name}_hadamard)\n" for c in chunks)
     out += f"{BODY}else:\n"
     if side.factor_after_matrix:
@@ -93,7 +95,7 @@ def rotate_out_blocks(side) -> str:
     else:
         out += (f"{BODY}    # The hi halves alone, for an fp16 or bf16 output: their rounding (2^-11 of the row's "
                 f"largest entry) adds\n{BODY}    # about as much error as the output's own.\n"
-                f"{_indent(row_spread('tile', side))}\n")
+                f"{indented(row_spread('tile', side))}\n")
         out += "".join(f"{BODY}    tile_{c} = tl.dot((tile_{c} * spread[:, None]).to(tl.float16), {name}_hadamard)\n"
                        for c in chunks)
     out += butterflies("tile", side) + "\n"
@@ -101,11 +103,6 @@ def rotate_out_blocks(side) -> str:
     out += f"{BODY}largest = largest * {side.matrix_unit}{factor}\n"
     return out + "".join(f"{BODY}tile_{c} = tile_{c} * largest[:, None] * tl.load({name}_matrix_ptr + "
                          f"{side.chunk_columns(c)}).to(tl.float32)[None, :]\n" for c in chunks)
-
-
-def _indent(text: str) -> str:
-    """Four more spaces on every line that has text."""
-    return "\n".join(BODY + line if line else line for line in text.split("\n"))
 
 
 def decode_query(key) -> str:
@@ -133,6 +130,6 @@ def decode_query(key) -> str:
     rotating += butterflies("rotated", key) + "\n"
     rotating += "".join(f"{BODY}rotated_{c} *= {key.matrix_unit}\n" for c in chunks)
     out = (f"{BODY}ROT: tl.constexpr = min({upper}_CHUNK, 32)  # query columns a dot takes: H_C's rows in registers "
-           f"stay few\n{BODY}rot = tl.arange(0, ROT)\n{BODY}if ROTATE:\n{_indent(rotating)}{BODY}else:\n")
+           f"stay few\n{BODY}rot = tl.arange(0, ROT)\n{BODY}if ROTATE:\n{indented(rotating)}{BODY}else:\n")
     return out + "".join(f"{BODY}    rotated_{c} = tl.load({rows} + {c} * {upper}_CHUNK + {name}_chunk[None, :], "
                          "mask=q_valid[:, None], other=0.0)\n" for c in chunks)

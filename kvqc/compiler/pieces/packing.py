@@ -122,3 +122,21 @@ def int_planes(side) -> str:
 def indented(text: str) -> str:
     """Four more spaces on every line that has text (Jinja's `indent(4, first=True)`)."""
     return "\n".join(BODY + line if line else line for line in text.split("\n"))
+
+
+def decode_consts(layout) -> str:
+    """The split kernel's chunk constants per side: a scale-group side's columns come in runs per head_dim (a
+    comment says so), a pairs side needs its chunk width alone, and a side read as 32-bit words its word range."""
+    out = ""
+    for side in layout.sides:
+        name, upper = side.name, side.name.upper()
+        if side.group_dots:
+            out += f"{BODY}# {name}: columns in runs of its scale groups, each head_dim's own (group_dots)\n"
+        elif side.pairs:
+            out += f"{BODY}{upper}_CHUNK: tl.constexpr = {over(side.dim, side.chunks)}\n"
+        else:
+            out += chunk_consts(side) + "\n"
+        if side.word_unpack:
+            out += (f"{BODY}{upper}_WORDS: tl.constexpr = {upper}_CHUNK // 4  # {name} codes are read as 32-bit words\n"
+                    f"{BODY}{name}_word = tl.arange(0, {upper}_WORDS)\n")
+    return out

@@ -117,6 +117,37 @@ def store(layout) -> str:
     return out
 
 
+def scores(key, first: bool) -> str:
+    """`scores` (`=` for the first key part, else `+=`) from a K part's `dots` (and `dots_qjl`): times its per-token
+    factor, plus its shift times the query's sum. A scale-group side's dots come scaled (scale_groups.key_dots)."""
+    op, name, lines = "scores = " if first else "scores += ", key.name, []
+    if key.group_dots:
+        pass
+    elif key.decode_shift:
+        shift = f"query_{key.tag}sum[:, None] * {name}_shift[None, :]"
+        lines.append(f"{op}dots * {name}_{key.row_factor}[None, :] + {shift}")
+    elif key.row_factor:
+        lines.append(f"{op}dots * {name}_{key.row_factor}[None, :]")
+    else:
+        lines.append(f"{op}dots")
+    if key.qjl:
+        lines.append(f"scores += dots_qjl * {name}_qjl_row[None, :]")
+    return "".join(f"        {line}\n" for line in lines)
+
+
+def weights(value) -> str:
+    """The probabilities as a V part's dots take them: times its per-token factor, in DOT_DTYPE (and QJL's), and the
+    shift's share summed apart."""
+    name = value.name
+    lines = [f"weights = (p * {name}_{value.row_factor}[None, :]).to(DOT_DTYPE)" if value.row_factor
+             else "weights = p.to(DOT_DTYPE)"]
+    if value.decode_shift:
+        lines.append(f"acc_{value.tag}shift += tl.sum(p * {name}_shift[None, :], axis=1)")
+    if value.qjl:
+        lines.append(f"weights_qjl = (p * {name}_qjl_row[None, :]).to(DOT_DTYPE)")
+    return "".join(f"        {line}\n" for line in lines)
+
+
 def _chunk_queries(key, rotated: bool) -> list[str]:
     tag, lines = key.tag, []
     columns = f"q_row[:, None] * {key.head_pad} + {{c}} * {key.chunk_pad} + {key.name}_chunk[None, :]"

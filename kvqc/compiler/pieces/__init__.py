@@ -10,6 +10,7 @@ written here, from the Layout, and linted and read as Python.
 - selects.py: the portable codebook select trees.
 - constants.py: the module's per-side constants and codebook tables.
 - tables.py: what `_tables` builds per side.
+- flatten.py: flatten's output, by the dense matrix or chunk by chunk.
 - cache_rows.py: a cache row's address expressions.
 - unpack.py: decode's and flatten's lookup operands, PTX helper calls and metadata loads.
 - signature.py: a kernel's parameters and its launch's arguments, from one list.

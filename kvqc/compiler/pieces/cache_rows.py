@@ -5,13 +5,18 @@ KVCache.layout)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import SideLayout
+
 
 def row(block: str, offset: str, head: str) -> str:
     """The row of token `offset` of `block` for KV head `head`."""
     return f"{block} * (BLOCK_SIZE * NUM_KV_HEADS) + {offset} * TOKEN_STRIDE + {head} * HEAD_STRIDE"
 
 
-def group_first(side, rows: str = "row") -> str:
+def group_first(side: SideLayout, rows: str = "row") -> str:
     """The row of the first slot of the token group holding each of `rows`: a block starts at a multiple of its
     block_size (a multiple of the group) times TOKEN_STRIDE, so the offset's place in its group is
     row // TOKEN_STRIDE % group."""

@@ -4,8 +4,13 @@ groups, a channel split's outliers (`<SIDE>_...`), then the Lloyd-Max centroids 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
 
-def side_constants(layout) -> str:
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import Layout
+
+
+def side_constants(layout: Layout) -> str:
     """`<SIDE>_CODE_BITS`, `<SIDE>_METADATA`, `<SIDE>_GROUP_SIZE`, and for a split's outlier part the share of channels
     it takes and how they are chosen."""
     lines = []
@@ -31,7 +36,7 @@ def side_constants(layout) -> str:
     return "\n".join(lines) + "\n"
 
 
-def side_tables(layout, floats) -> str:
+def side_tables(layout: Layout, floats: Callable[[tuple[float, ...]], str]) -> str:
     """Each Lloyd-Max side's centroids in N(0, 1) units and each signed rotation's sign flips, per head_dim (`floats`
     writes a tuple of floats as the module shows them)."""
     lines = []

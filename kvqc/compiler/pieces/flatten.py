@@ -5,13 +5,18 @@ tokens from the ring instead of their codes, a centered side's mean added back."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvqc.compiler.pieces.packing import column_mask
 from kvqc.compiler.pieces.rotate import row_halves
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import SideLayout
 
 BODY = " " * 4
 
 
-def by_matrix(side, window: bool) -> str:
+def by_matrix(side: SideLayout, window: bool) -> str:
     """out = sum over chunks of tile_c @ matrix[chunk c rows], stored IN_BLOCK columns at a time."""
     name, base, out_type = side.name, side.base, f"{side.base}_out_ptr.dtype.element_ty"
     factor = f" * {name}_{side.row_factor}" if side.factor_after_matrix else ""
@@ -38,7 +43,7 @@ def by_matrix(side, window: bool) -> str:
                    f"out.to({out_type}), mask=written[:, None]{side.block_mask})\n")
 
 
-def by_chunks(side, window: bool) -> str:
+def by_chunks(side: SideLayout, window: bool) -> str:
     """Each chunk's tile stored in its columns."""
     name, base, text = side.name, side.base, ""
     for c in range(side.chunks):

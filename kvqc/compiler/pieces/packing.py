@@ -7,6 +7,11 @@ chunk_packing); the lines are written here and placed by the fill, flatten and d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import Layout, SideLayout
+
 BODY = " " * 4
 
 
@@ -15,18 +20,18 @@ def over(expr: str, n: int) -> str:
     return expr if n == 1 else f"{expr} // {n}"
 
 
-def plane_ptr(side, plane: int, r: int) -> str:
+def plane_ptr(side: SideLayout, plane: int, r: int) -> str:
     """The addresses of the rows `row` in byte range r of a plane (plane index)."""
     return (f"{side.name}_codes_ptr + row[:, None] * {side.code_row_bytes} + {side.plane_offsets_expr[plane]} + {r} * "
             f"{side.name.upper()}_CHUNK + {side.name}_chunk[None, :]")
 
 
-def column_mask(side, valid: str) -> str:
+def column_mask(side: SideLayout, valid: str) -> str:
     """rows x chunk columns: the `valid` rows, and where chunks are padded only the chunk's real columns."""
     return f"{valid}[:, None]" + (f" & {side.name}_in[None, :]" if side.padded else "")
 
 
-def load_planes(side, valid: str, raw: bool = False) -> str:
+def load_planes(side: SideLayout, valid: str, raw: bool = False) -> str:
     """`<side>_bytes_<plane>_<range>` for the rows `row`: int32, or as loaded (uint8) where `raw` (for the PTX
     helpers)."""
     convert = "" if raw else ".to(tl.int32)"
@@ -34,19 +39,19 @@ def load_planes(side, valid: str, raw: bool = False) -> str:
                    f"mask={column_mask(side, valid)}, other=0){convert}\n" for p, r in side.plane_ranges)
 
 
-def chunk_code(side, c: int) -> str:
+def chunk_code(side: SideLayout, c: int) -> str:
     """`code`, chunk c's codes, from its plane bytes."""
     return "".join(f"{BODY}code = {bits}\n" for bits in side.chunk_code(c))
 
 
-def pack_and_store(side, valid: str) -> str:
+def pack_and_store(side: SideLayout, valid: str) -> str:
     """Every byte range of every plane packed from the chunks' codes and stored."""
     return "".join(f"{BODY}packed = {packed}\n"
                    f"{BODY}tl.store({plane_ptr(side, p, r)}, packed.to(tl.uint8), mask={column_mask(side, valid)})\n"
                    for p, r, packed in side.packed)
 
 
-def pack_chunk(side, c: int, valid: str) -> str:
+def pack_chunk(side: SideLayout, c: int, valid: str) -> str:
     """After chunk c's codes are final: its fields or'ed into their byte ranges, each range stored once complete."""
     out = ""
     for line, done in side.chunk_packing(c):
@@ -58,7 +63,7 @@ def pack_chunk(side, c: int, valid: str) -> str:
     return out
 
 
-def chunk_consts(side, span: bool = False) -> str:
+def chunk_consts(side: SideLayout, span: bool = False) -> str:
     """A side's chunk width (padded where its chunks are), its scale groups per chunk where some head_dim has groups
     inside chunks, and its chunks per scale group where some head_dim's groups span chunks and the kernel reads them:
     it branches per head_dim, or `span` says it reads metadata a chunk at a time."""
@@ -83,7 +88,7 @@ def chunk_consts(side, span: bool = False) -> str:
     return "\n".join(BODY + line for line in lines)
 
 
-def load_codes(side, fast: str) -> str:
+def load_codes(side: SideLayout, fast: str) -> str:
     """Decode's code loads for the rows `row`: V's 32-bit words (word_unpack); every plane's bytes as loaded, for the
     PTX helpers (plane_unpack), or a whole-byte PTX kind's one plane; else as int32, for the portable path."""
     name = side.name
@@ -96,24 +101,24 @@ def load_codes(side, fast: str) -> str:
     return indented(load_planes(side, "valid", raw=bool(fast))) + "\n"
 
 
-def load_pairs(side) -> str:
+def load_pairs(side: SideLayout) -> str:
     """A side read in pairs of chunks (SideLayout.pairs): `<side>_pair_0`, the narrowest plane's chunk bytes twice
     over, and `<side>_pair_<p>_<j>`, plane p's byte runs j of two chunks."""
     return "".join(f"        {name} = tl.load({side.name}_codes_ptr + row[:, None] * {side.code_row_bytes}{at}, "
                    "mask=valid[:, None], other=0)\n" for name, at in side.pair_loads)
 
 
-def int_pairs(side) -> str:
+def int_pairs(side: SideLayout) -> str:
     """The portable path's int32 view of the pair bytes."""
     return "".join(f"            {name} = {name}.to(tl.int32)\n" for name, _ in side.pair_loads)
 
 
-def pair_code(side, k: int) -> str:
+def pair_code(side: SideLayout, k: int) -> str:
     """`code` of pair k (plane 0's field one further where `upper`), on the portable path."""
     return "".join(f"            code = {bits}\n" for bits in side.pair_code(k))
 
 
-def int_planes(side) -> str:
+def int_planes(side: SideLayout) -> str:
     """The portable path's int32 view of every plane's bytes that a plane_unpack side loaded raw."""
     return "".join(f"            {side.name}_bytes_{p}_{r} = {side.name}_bytes_{p}_{r}.to(tl.int32)\n"
                    for p, r in side.plane_ranges)
@@ -124,7 +129,7 @@ def indented(text: str) -> str:
     return "\n".join(BODY + line if line else line for line in text.split("\n"))
 
 
-def decode_consts(layout) -> str:
+def decode_consts(layout: Layout) -> str:
     """The split kernel's chunk constants per side: a scale-group side's columns come in runs per head_dim (a
     comment says so), a pairs side needs its chunk width alone, and a side read as 32-bit words its word range."""
     out = ""

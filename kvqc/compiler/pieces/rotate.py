@@ -15,19 +15,24 @@ Each function returns kernel lines at the kernel body's indent (4 spaces).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvqc.compiler.pieces.packing import indented
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import SideLayout
 
 BODY = " " * 4
 
 
-def row_spread(var: str, side) -> str:
+def row_spread(var: str, side: SideLayout) -> str:
     """`largest`: the rows' largest magnitude over the side's chunks `<var>_<c>` (float32), `spread` its inverse
     (no newline after the last line)."""
     return (f"{BODY}largest = {side.reduce_chunks('tl.maximum', f'tl.max(tl.abs({var}_%d), axis=1)')}\n"
             f"{BODY}spread = 1.0 / tl.maximum(largest, 1e-30)")
 
 
-def row_halves(var: str, side) -> str:
+def row_halves(var: str, side: SideLayout) -> str:
     """`hi_<c>`, `lo_<c>`: halves of `<var>_<c>` over the rows' largest magnitude, for a dense matrix's dots, which
     take each chunk's halves once per block of output columns."""
     out = row_spread(var, side) + "\n"
@@ -36,7 +41,7 @@ def row_halves(var: str, side) -> str:
     return out
 
 
-def chunk_hadamard(side) -> str:
+def chunk_hadamard(side: SideLayout) -> str:
     """`<side>_hadamard`: H_C, +-1 in fp16 (no newline after the last line)."""
     chunk = f"{side.name}_chunk"
     return "\n".join(BODY + line for line in [
@@ -45,14 +50,14 @@ def chunk_hadamard(side) -> str:
         f"{side.name}_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)"])
 
 
-def butterflies(var: str, side) -> str:
+def butterflies(var: str, side: SideLayout) -> str:
     """`<var>_0 .. <var>_(n-1)` <- H_n applied across a side's n chunks (a fast Walsh-Hadamard transform over whole
     tiles)."""
     return "".join(f"{BODY}twin = {var}_{i} - {var}_{j}\n{BODY}{var}_{i} = {var}_{i} + {var}_{j}\n"
                    f"{BODY}{var}_{j} = twin\n" for i, j in side.butterflies)
 
 
-def rotate_in_blocks(side) -> str:
+def rotate_in_blocks(side: SideLayout) -> str:
     """Fill: `x_<c>` = chunk c of the rotated rows (position order), float32, from `<side>_input_<c>`."""
     name, chunks, unit = side.name, range(side.chunks), side.matrix_unit
     signs = [f"tl.load({name}_matrix_ptr + {side.chunk_columns(c)})" for c in chunks]
@@ -78,7 +83,7 @@ def rotate_in_blocks(side) -> str:
     return out + "".join(f"{BODY}x_{c} = x_{c} * largest[:, None]\n" for c in chunks)
 
 
-def rotate_out_blocks(side) -> str:
+def rotate_out_blocks(side: SideLayout) -> str:
     """Flatten: `tile_<c>` (position order, float32) <- chunk c of the rows in the input basis. The tiles come in as
     float32, or as fp16 codebook entries for an fp16 or bf16 output (flatten's PTX lookups), which the one-dot
     branch takes as they are."""
@@ -105,7 +110,7 @@ def rotate_out_blocks(side) -> str:
                          f"{side.chunk_columns(c)}).to(tl.float32)[None, :]\n" for c in chunks)
 
 
-def decode_query(key) -> str:
+def decode_query(key: SideLayout) -> str:
     """_decode_kernel's query in position order, `rotated_<c>` (float32 [GROUP_PAD, C], chunk c). With ROTATE, from the
     query as given (rows of head_dim in the model's dtype), where `_rotate_query_kernel` takes a launch and a float32
     copy: the signs, then H_d as H_n (x) H_C over the n chunks of C columns - each chunk times H_C, ROT query columns a

@@ -13,12 +13,17 @@ filter).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvqc.compiler.pieces import scale_groups
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import Layout, SideLayout
 
 LOOP = " " * 12  # the rescale branch inside the tile loop, as decode.py.j2 writes it before its indent filter
 
 
-def queries(layout) -> str:
+def queries(layout: Layout) -> str:
     """K's query tiles: a scale-group side's per unit, a pairs side's per pair of chunks, else per chunk (the rotated
     chunks `rotated_<c>` where the split kernels rotate the query, else loaded from its rows)."""
     out = ""
@@ -32,7 +37,7 @@ def queries(layout) -> str:
     return out
 
 
-def init(layout) -> str:
+def init(layout: Layout) -> str:
     """V's accumulators, zeros, and the masks a pairs side reads its chunks with."""
     lines = []
     for value in layout.value_parts:
@@ -62,7 +67,7 @@ def init(layout) -> str:
     return _lines(lines)
 
 
-def rescale(layout) -> str:
+def rescale(layout: Layout) -> str:
     """V's accumulators times alpha, where a tile raised a row's max."""
     out = ""
     for value in layout.value_parts:
@@ -79,7 +84,7 @@ def rescale(layout) -> str:
     return out
 
 
-def finish(layout) -> str:
+def finish(layout: Layout) -> str:
     """After the loop: V read as words back to position order, and the shift's sum added to every column."""
     lines = []
     for value in layout.value_parts:
@@ -97,7 +102,7 @@ def finish(layout) -> str:
     return _lines(lines)
 
 
-def store(layout) -> str:
+def store(layout: Layout) -> str:
     """The split's partial output, V's accumulators in position order (and QJL's beside them), row `part`."""
     out = ""
     for value in layout.value_parts:
@@ -117,7 +122,7 @@ def store(layout) -> str:
     return out
 
 
-def scores(key, first: bool) -> str:
+def scores(key: SideLayout, first: bool) -> str:
     """`scores` (`=` for the first key part, else `+=`) from a K part's `dots` (and `dots_qjl`): times its per-token
     factor, plus its shift times the query's sum. A scale-group side's dots come scaled (scale_groups.key_dots)."""
     op, name, lines = "scores = " if first else "scores += ", key.name, []
@@ -135,7 +140,7 @@ def scores(key, first: bool) -> str:
     return "".join(f"        {line}\n" for line in lines)
 
 
-def weights(value) -> str:
+def weights(value: SideLayout) -> str:
     """The probabilities as a V part's dots take them: times its per-token factor, in DOT_DTYPE (and QJL's), and the
     shift's share summed apart."""
     name = value.name
@@ -148,7 +153,7 @@ def weights(value) -> str:
     return "".join(f"        {line}\n" for line in lines)
 
 
-def _chunk_queries(key, rotated: bool) -> list[str]:
+def _chunk_queries(key: SideLayout, rotated: bool) -> list[str]:
     tag, lines = key.tag, []
     columns = f"q_row[:, None] * {key.head_pad} + {{c}} * {key.chunk_pad} + {key.name}_chunk[None, :]"
     for c in range(key.chunks):
@@ -166,7 +171,7 @@ def _chunk_queries(key, rotated: bool) -> list[str]:
     return lines
 
 
-def _pair_queries(key) -> list[str]:
+def _pair_queries(key: SideLayout) -> list[str]:
     """A K read in pairs of chunks (SideLayout.pairs): its masks and the query's pairs, `query_p<k>` and
     `query_qjl_p<k>` (position order, so a pair is 2 * CHUNK adjacent columns)."""
     tag, lines = key.tag, _pair_masks(key)
@@ -183,7 +188,7 @@ def _pair_queries(key) -> list[str]:
     return lines
 
 
-def _pair_masks(side) -> list[str]:
+def _pair_masks(side: SideLayout) -> list[str]:
     """`<side>_pair`, a pair's columns; `<side>_upper(_bits)`, 0xff (the narrowest plane's width) where a column is
     the upper chunk's, whose field in the pair's bytes is the next one."""
     n, pad = side.name, side.chunk_pad

@@ -6,10 +6,15 @@ decode's lookup words or fp16 entries, its QJL projection."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import Layout, SideLayout
+
 BODY = " " * 4
 
 
-def side_tables(layout) -> str:
+def side_tables(layout: Layout) -> str:
     """Each side's block of `_tables`, after its `# <side>` comment."""
     lines = []
     for side in layout.sides:
@@ -30,7 +35,7 @@ def side_tables(layout) -> str:
     return "".join(f"{BODY}{line}\n" if line else "\n" for line in lines)
 
 
-def _matrix(side) -> list[str]:
+def _matrix(side: SideLayout) -> list[str]:
     """`<side>_matrix` (fp16, -1/0/1: the kernels multiply by 1/sqrt(d) themselves) and `<side>_rotation` (float32,
     for torch's products), rows in position order."""
     lines = [f"signed = {side.signed_expr}"]
@@ -50,7 +55,7 @@ def _matrix(side) -> list[str]:
                     f'tables["{side.name}_rotation"] = ({scaled}).to(device, torch.float32).contiguous()']
 
 
-def _codebook(side) -> list[str]:
+def _codebook(side: SideLayout) -> list[str]:
     name = side.name
     lines = [f"centroids = torch.tensor(_{name.upper()}_CENTROIDS[{side.table_key}], dtype=torch.float64) / "
              "math.sqrt(d)", f'tables["{name}_centroids"] = centroids.to(device, torch.float32)']
@@ -64,7 +69,7 @@ def _codebook(side) -> list[str]:
     return lines
 
 
-def _qjl(side) -> list[str]:
+def _qjl(side: SideLayout) -> list[str]:
     """`<side>_qjl`, the d x d Gaussian projection from its seed, rows and columns in position order."""
     lines = [f"qjl = torch.tensor(gaussian_matrix(d, d, {side.qjl_seed}), dtype=torch.float64)"]
     if side.padded:

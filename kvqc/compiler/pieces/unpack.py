@@ -5,19 +5,24 @@ wait for the load)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def load_luts(side) -> str:
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import SideLayout
+
+
+def load_luts(side: SideLayout) -> str:
     """The lookup operands of the side's PTX helper, before the tile loop."""
     return "".join(f"        {name} = {expr}\n" for name, expr in side.lookup_loads)
 
 
-def fast_tiles(side, indent: int = 12) -> str:
+def fast_tiles(side: SideLayout, indent: int = 12) -> str:
     """`tile_0 .. tile_<chunks - 1>` (fp16) from the current tile's bytes, at the loop body's indent."""
     tiles = ", ".join(f"tile_{c}" for c in range(side.chunks))
     return f"{' ' * indent}{tiles} = _unpack_{side.fast_unpack}({side.name}_bytes_0_0{side.lookup_args})\n"
 
 
-def load_metadata(side, suffix: str, rows: str, indent: int) -> str:
+def load_metadata(side: SideLayout, suffix: str, rows: str, indent: int) -> str:
     """`<side>_<field><suffix>` for every per-row metadata field of the rows `row<rows>`. Scales per group of
     channels are read per chunk (dequantize.j2's chunk_tile) or per group (scale_groups.py)."""
     name, width = side.name, len(side.metadata)

@@ -4,6 +4,7 @@ written here, from the Layout, and linted and read as Python.
 
 - planes.py: decode's PTX helpers that gather each code's bits from its bit planes.
 - rotate.py: fill's and flatten's rotations, in Hadamard blocks or by a matrix on fp16 halves; decode's query rotation.
+- gluon.py: the Gluon decode kernel's PTX unpacking of K and V code words.
 - cells.py: fill's symmetric cell search helpers (PTX, and Triton compares).
 - packing.py: the bit planes' loads, each chunk's code, fill's packed bytes, a side's chunk constants.
 - scale_groups.py: decode's dots and accumulators for scales per group of channels.

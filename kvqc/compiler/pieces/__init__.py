@@ -8,7 +8,7 @@ written here, from the Layout, and linted and read as Python.
 - cells.py: fill's symmetric cell search helpers (PTX, and Triton compares).
 - packing.py: the bit planes' loads, each chunk's code, fill's packed bytes, a side's chunk constants.
 - scale_groups.py: decode's dots and accumulators for scales per group of channels.
-- split_state.py: a decode split's query tiles and V accumulators.
+- split_state.py: a decode split's query tiles, V accumulators, scores and weights.
 - selects.py: the portable codebook select trees.
 - constants.py: the module's per-side constants and codebook tables.
 - tables.py: what `_tables` builds per side.

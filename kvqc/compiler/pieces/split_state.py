@@ -1,8 +1,9 @@
 """The state a decode split program keeps per side, as lines of `_decode_kernel` (templates/kernels/decode.py.j2
 places them around its tile loop): K's query tiles, loaded once before the loop, and V's accumulators, from zeros
-through each rescale to the split's partial output. Their number and shape follow the side's plan (chunks, pairs of
-chunks, 32-bit words, scale groups, a QJL residual, a per-token shift), which is why they are laid out here, in
-Python, and not unrolled in Jinja.
+through each rescale to the split's partial output; and in the loop, how a K part's dots become scores and the
+probabilities become a V part's weights. Their number and shape follow the side's plan (chunks, pairs of chunks,
+32-bit words, scale groups, a QJL residual, a per-token shift), which is why they are laid out here, in Python, and
+not unrolled in Jinja.
 
 Names in the kernel: `query_<tag><c>` (chunk c of the query in DOT_DTYPE), `query_<tag>p<k>` (chunks 2k and 2k + 1),
 `query_<tag>qjl_<c>` (the projected query), `query_<tag>sum` (the query's sum, for the shift); `acc_<tag><suffix>`

@@ -49,9 +49,8 @@ def _environment() -> jinja2.Environment:
     env.filters["over"] = over
     # The pieces Python lays out (kvqc/compiler/pieces/), for the templates to place.
     env.globals.update(cache_rows=cache_rows, cells=cells, constants=constants, flatten=flatten, gluon=gluon,
-                       packing=packing, rotate=rotate,
-                       scale_groups=scale_groups, selects=selects, signature=signature, split_state=split_state,
-                       tables=tables, unpack=unpack)
+                       packing=packing, rotate=rotate, scale_groups=scale_groups, selects=selects,
+                       signature=signature, split_state=split_state, tables=tables, unpack=unpack)
     return env
 
 

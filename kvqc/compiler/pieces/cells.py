@@ -2,12 +2,12 @@
 with the compiled CUDA path in PTX (FAST_CELL) and the same codes in Triton compares for the interpreter and HIP.
 
 Why PTX: written as selects, turbo_k4v2's looping fill is bound by the ALU pipe (ncu: the busiest pipe at 60.6%,
-issue 48.6%), where compares, selects, shifts and logic ops go at half the rate of float and integer multiply-adds.
-Here only the compares (setp) stay there; what they decide is done by predicated adds and fma on the FMA pipe. A
-centroid is fetched by fma(magnitude, 0, c), which is c exactly for any finite magnitude: a plain predicated move
-becomes a select again. On an H100 (turbo_k4v2, 8 x 8192 tokens) the Triton scan fills at 57% of copy bandwidth,
-these helpers at 59%, and 64% once the looping fill also runs as one wave (which alone gains nothing); the sign
-residual outside the helper costs 4 points.
+instruction issue at 48.6%), where compares, selects, shifts and logic ops go at half the rate of float and integer
+multiply-adds. Here only the compares (setp) stay there; what they decide is done by predicated adds and fma on the FMA
+pipe. A centroid is fetched by fma(magnitude, 0, c), which is c exactly for any finite magnitude: a plain predicated
+move becomes a select again. On an H100 (turbo_k4v2, 8 x 8192 tokens) the Triton scan fills at 57% of copy bandwidth,
+these helpers at 59%, and 64% once the looping fill also runs as one wave (which alone gains nothing); the sign residual
+outside the helper costs 4 points.
 
 Kinds: "code" (the code alone), "sign" (and the residual, whose sign sets the bit above the level), "signed" (and
 the centroid with the value's sign), "magnitude" (and the centroid's magnitude).

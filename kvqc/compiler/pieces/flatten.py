@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvqc.compiler.pieces.packing import column_mask
+from kvqc.compiler.pieces.packing import BODY, column_mask
 from kvqc.compiler.pieces.rotate import row_halves
 
 if TYPE_CHECKING:
     from kvqc.compiler.layout import SideLayout
 
-BODY = " " * 4
 
 
 def by_matrix(side: SideLayout, window: bool) -> str:

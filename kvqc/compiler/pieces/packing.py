@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvqc.compiler.layout import Layout, SideLayout
 
-BODY = " " * 4
+BODY = " " * 4  # a kernel body's indent
 
 
 def over(expr: str, n: int) -> str:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvqc.compiler.pieces.packing import indented
+from kvqc.compiler.pieces.packing import BODY, indented
 
 if TYPE_CHECKING:
     from kvqc.compiler.layout import SideLayout
 
-BODY = " " * 4
 
 
 def row_spread(var: str, side: SideLayout) -> str:
@@ -44,10 +43,15 @@ def row_halves(var: str, side: SideLayout) -> str:
 def chunk_hadamard(side: SideLayout) -> str:
     """`<side>_hadamard`: H_C, +-1 in fp16 (no newline after the last line)."""
     chunk = f"{side.name}_chunk"
-    return "\n".join(BODY + line for line in [
-        f"parity = {chunk}[:, None] & {chunk}[None, :]", "parity = parity ^ (parity >> 4)",
-        "parity = parity ^ (parity >> 2)", "parity = parity ^ (parity >> 1)",
-        f"{side.name}_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)"])
+    return "\n".join(BODY + line for line in [*_parity(f"{chunk}[:, None]", f"{chunk}[None, :]"),
+                                               f"{side.name}_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)"])
+
+
+def _parity(rows: str, columns: str) -> list[str]:
+    """`parity`, whose low bit is the parity of rows & columns (indices below 256): entry (i, j) of a Sylvester
+    Hadamard matrix is -1 where it is 1."""
+    return [f"parity = {rows} & {columns}", "parity = parity ^ (parity >> 4)", "parity = parity ^ (parity >> 2)",
+            "parity = parity ^ (parity >> 1)"]
 
 
 def butterflies(var: str, side: SideLayout) -> str:
@@ -127,9 +131,7 @@ def decode_query(key: SideLayout) -> str:
             f"    x = tl.load({rows} + column[None, :], mask=q_valid[:, None], other=0.0)",
             f"    x = x.to(tl.float32) * tl.load({name}_matrix_ptr + column).to(tl.float32)[None, :]"
             "  # the signs: exact",
-            f"    parity = (k * ROT + rot)[:, None] & {name}_chunk[None, :]",
-            "    parity = parity ^ (parity >> 4)", "    parity = parity ^ (parity >> 2)",
-            "    parity = parity ^ (parity >> 1)",
+            *("    " + line for line in _parity("(k * ROT + rot)[:, None]", f"{name}_chunk[None, :]")),
             f"    rotated_{c} = _mm(x.to(DOT_DTYPE), (1 - 2 * (parity & 1)).to(DOT_DTYPE), DOT_PRECISION, "
             f"rotated_{c})"])
     rotating += butterflies("rotated", key) + "\n"

@@ -127,14 +127,12 @@ def scores(key: SideLayout, first: bool) -> str:
     """`scores` (`=` for the first key part, else `+=`) from a K part's `dots` (and `dots_qjl`): times its per-token
     factor, plus its shift times the query's sum. A scale-group side's dots come scaled (scale_groups.key_dots)."""
     op, name, lines = "scores = " if first else "scores += ", key.name, []
-    if key.group_dots:
-        pass
-    elif key.decode_shift:
+    if key.decode_shift and not key.group_dots:
         shift = f"query_{key.tag}sum[:, None] * {name}_shift[None, :]"
         lines.append(f"{op}dots * {name}_{key.row_factor}[None, :] + {shift}")
-    elif key.row_factor:
+    elif key.row_factor and not key.group_dots:
         lines.append(f"{op}dots * {name}_{key.row_factor}[None, :]")
-    else:
+    elif not key.group_dots:
         lines.append(f"{op}dots")
     if key.qjl:
         lines.append(f"scores += dots_qjl * {name}_qjl_row[None, :]")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvqc.compiler.pieces.packing import BODY
+
 if TYPE_CHECKING:
     from kvqc.compiler.layout import Layout, SideLayout
 
-BODY = " " * 4
 
 
 def side_tables(layout: Layout) -> str:

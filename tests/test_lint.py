@@ -79,8 +79,17 @@ def test_every_test_scheme_renders_lint_clean(tmp_path):
 
 def test_templates_stay_short():
     """A template a newcomer can read whole: each piece of kvqc/compiler/templates under 400 lines (the kernels
-    split their named pieces into files of their own, e.g. kernels/tiles.j2 beside kernels/decode.py.j2)."""
+    split their named variants into files of their own, e.g. kernels/decode/ beside kernels/decode.py.j2)."""
     templates = ROOT / "kvqc" / "compiler" / "templates"
     lengths = {str(p.relative_to(templates)): len(p.read_text().splitlines()) for p in templates.rglob("*.j2")}
     assert len(lengths) > 20, lengths
     assert {name: n for name, n in lengths.items() if n > 400} == {}
+
+
+def test_templates_bind_rather_than_decide():
+    """Templates place what the plan and kvqc/compiler/pieces decided: at most a fifth of their lines are Jinja
+    statements ({% ... %}: branches, loops, sets), the rest the text they render."""
+    templates = ROOT / "kvqc" / "compiler" / "templates"
+    lines = [line for p in templates.rglob("*.j2") for line in p.read_text().splitlines()]
+    statements = [line for line in lines if line.lstrip().startswith("{%") or "{%-" in line]
+    assert len(statements) <= len(lines) / 5, f"{len(statements)} of {len(lines)} template lines are statements"

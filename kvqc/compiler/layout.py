@@ -1041,13 +1041,11 @@ class SideLayout:
         std = self.centroids_std(head_dim)
         return None if std is None else tuple(c / math.sqrt(self.part_dim(head_dim)) for c in std)
 
-    # What the codec templates (templates/codecs/) need decided: they read these and never work them out themselves.
+    # What the codecs (pieces/codecs/) need decided: they read these and never work them out themselves.
     @property
     def codec(self) -> str:
-        """The codec template that quantizes and dequantizes this side's codebook, templates/codecs/<codec>.j2: the
-        codebook's kind, with uniform grids under "affine" (whose scales fp8 shares)."""
-        kind = self.scheme.codebook.kind
-        return "affine" if kind == "uniform" else kind
+        """The codec that quantizes and dequantizes this side's codebook (pieces/codecs.CODECS): its kind."""
+        return self.scheme.codebook.kind
 
     @property
     def symmetric(self) -> bool:
@@ -1187,7 +1185,7 @@ class SideLayout:
 
     @property
     def group_branches(self) -> tuple[tuple[int, str], ...]:
-        """Each of group_variants with the line that opens its constexpr branch in fill (affine.j2 spanning_groups):
+        """Each of group_variants with the line that opens its constexpr branch in fill (codecs.scales.spanning_groups):
         the test on <SIDE>_GROUPS or <SIDE>_SPAN, and the head_dims that take it."""
         name, out = self.name.upper(), []
         for i, span in enumerate(self.group_variants):

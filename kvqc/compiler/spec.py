@@ -428,9 +428,13 @@ def _scale(source: str, path: str, data: Any) -> Scale:
     return Scale(kind, axis, group_size, unbiased)
 
 
+CODEBOOK_KINDS = ("lloyd_max", "uniform", "fp8")  # each has a codec, kvqc/compiler/pieces/codecs/
+RESIDUAL_KINDS = ("none", "sign", "qjl")
+
+
 def _codebook(source: str, path: str, data: Any) -> Codebook:
     f = _Fields(source, path, data, ("kind", "bits", "law", "centroids", "format"))
-    kind = f.choice("kind", ("lloyd_max", "uniform", "fp8"))
+    kind = f.choice("kind", CODEBOOK_KINDS)
     if kind != "fp8" and f.has("format"):
         f.fail("format", "only meaningful with kind: fp8; remove it")
     if kind == "fp8":
@@ -463,7 +467,7 @@ def _codebook(source: str, path: str, data: Any) -> Codebook:
 
 
 def _residual(source: str, path: str, data: Any) -> Residual:
-    f = _kind(source, path, data, ("none", "sign", "qjl"), ("seed",))
+    f = _kind(source, path, data, RESIDUAL_KINDS, ("seed",))
     if f.data["kind"] != "qjl":
         if f.has("seed"):
             f.fail("seed", "only meaningful with kind: qjl; remove it")

@@ -12,8 +12,13 @@ written here, from the Layout, and linted and read as Python.
 - selects.py: the portable codebook select trees.
 - constants.py: the module's per-side constants and codebook tables.
 - tables.py: what `_tables` builds per side.
-- flatten.py: flatten's output, by the dense matrix or chunk by chunk.
+- flatten.py: flatten's tiles and output, by the dense matrix or chunk by chunk.
 - cache_rows.py: a cache row's address expressions.
 - unpack.py: decode's and flatten's lookup operands, PTX helper calls and metadata loads.
 - signature.py: a kernel's parameters and its launch's arguments, from one list.
+- quantize.py: fill's rows from the input to the cache (load, rotate, encode, pack, store).
+- dequantize.py: a side's rows read back, a chunk's tile, decode's metadata in float32.
+- tiles.py: decode's dots and accumulators per chunk, pair of chunks or with per-channel scales in the query.
+- parts.py: a channel split's query and merge kernels, part by part.
+- codecs/: one file per code format (Lloyd-Max, the uniform and fp8 grids on their scales, the residual stages).
 """

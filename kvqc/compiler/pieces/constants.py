@@ -51,3 +51,11 @@ def side_tables(layout: Layout, floats: Callable[[tuple[float, ...]], str]) -> s
                       f"{side.rotation_seed}).", f"_{name}_SIGNS = {{"]
             lines += [f"    {d}: {side.signs(d)}," for d in layout.head_dims] + ["}"]
     return "".join(line + "\n" for line in lines)
+
+
+def paley_table(matrices: dict[int, list[list[int]]]) -> str:
+    """`_PALEY`: Paley's Hadamard matrices by order, a row of +-1 a line."""
+    lines = ["_PALEY = {"]
+    for order, rows in matrices.items():
+        lines += [f"    {order}: ["] + [f"        [{', '.join(map(str, row))}]," for row in rows] + ["    ],"]
+    return "\n".join(lines + ["}"])

@@ -7,12 +7,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvqc.compiler.pieces.codecs import residuals
+from kvqc.compiler.pieces.dequantize import chunk_tile
 from kvqc.compiler.pieces.packing import BODY, column_mask
 from kvqc.compiler.pieces.rotate import row_halves
 
 if TYPE_CHECKING:
     from kvqc.compiler.layout import SideLayout
 
+
+def tiles(side: SideLayout) -> str:
+    """`tile_<c>` for every chunk of a side: codebook values, times the row factor unless it follows the matrix (and
+    `signs_<c>`, a QJL residual's signs)."""
+    factor = (f" * {side.name}_{side.row_factor}[:, None]" if side.row_factor and not side.factor_after_matrix
+              else "")
+    shift = f" + {side.name}_{side.row_shift}[:, None]" if side.row_shift else ""
+    out = ""
+    for c in range(side.chunks):
+        out += chunk_tile(side, c, "BLOCK_T", "valid") + f"\n{BODY}tile_{c} = tile{factor}{shift}\n\n"
+        out += f"{BODY}signs_{c} = signs\n" if side.qjl else ""
+    return out
+
+
+def correct(side: SideLayout) -> str:
+    """A QJL residual's share, S^T signs times the row's factor, added to the tiles; nothing for other sides."""
+    return residuals.QJL.correct(side) if side.qjl else ""
 
 
 def by_matrix(side: SideLayout, window: bool) -> str:

@@ -124,9 +124,11 @@ def int_planes(side: SideLayout) -> str:
                    for p, r in side.plane_ranges)
 
 
-def indented(text: str) -> str:
-    """Four more spaces on every line that has text (Jinja's `indent(4, first=True)`)."""
-    return "\n".join(BODY + line if line else line for line in text.split("\n"))
+def indented(text: str, width: int = 4) -> str:
+    """`width` more spaces on every line that has text, and on the first (Jinja's `indent(width, first=True)`)."""
+    pad = " " * width
+    first, *rest = text.split("\n")
+    return "\n".join([pad + first] + [pad + line if line else line for line in rest])
 
 
 def decode_consts(layout: Layout) -> str:

@@ -87,6 +87,37 @@ def rotate_in_blocks(side: SideLayout) -> str:
     return out + "".join(f"{BODY}x_{c} = x_{c} * largest[:, None]\n" for c in chunks)
 
 
+def rotate_in_by_matrix(side: SideLayout, valid: str) -> str:
+    """Fill: `x_<c>` = chunk c of the rows in position order, float32, by the d x d -1/0/1 matrix, IN_BLOCK input
+    columns at a time (the rows are read inside the column loop)."""
+    chunks, pad = range(side.chunks), side.head_pad
+    load = f"tl.load({side.input_rows} + k + dim[None, :], mask={valid}[:, None]{side.block_mask}, other=0.0)"
+    out = f"{BODY}# Into position order by the -1/0/1 matrix (pieces/rotate.py), IN_BLOCK input columns at a time.\n"
+    out += "".join(f"{BODY}x_{c} = tl.zeros([BLOCK_T, {side.chunk_pad}], tl.float32)\n" for c in chunks)
+    out += (f"{BODY}if {side.base}_ptr.dtype.element_ty == tl.float16:\n"
+            f"{BODY}    # fp16 rows times -1/0/1 are exact products as they stand: one dot.\n"
+            f"{BODY}    for k in tl.static_range(0, {pad}, IN_BLOCK):\n"
+            f"{BODY}        x = {load}\n")
+    out += "".join(f"{BODY}        x_{c} = tl.dot(x, tl.trans(tl.load({side.matrix_block(c)})), x_{c})\n"
+                   for c in chunks)
+    out += (f"{BODY}    largest = tl.full([BLOCK_T], {side.matrix_unit}, tl.float32)\n"
+            f"{BODY}else:\n"
+            f"{BODY}    # Other dtypes: a first pass finds each row's largest magnitude, the second takes its fp16 "
+            "halves.\n"
+            f"{BODY}    largest = tl.zeros([BLOCK_T], tl.float32)\n"
+            f"{BODY}    for k in tl.static_range(0, {pad}, IN_BLOCK):\n"
+            f"{BODY}        x = {load}.to(tl.float32)\n"
+            f"{BODY}        largest = tl.maximum(largest, tl.max(tl.abs(x), axis=1))\n"
+            f"{BODY}    spread = 1.0 / tl.maximum(largest, 1e-30)\n"
+            f"{BODY}    for k in tl.static_range(0, {pad}, IN_BLOCK):\n"
+            f"{BODY}        x = {load}.to(tl.float32) * spread[:, None]\n"
+            f"{BODY}        hi, lo = _halves(x)\n")
+    out += "".join(f"{BODY}        matrix = tl.trans(tl.load({side.matrix_block(c)}))\n"
+                   f"{BODY}        x_{c} = tl.dot(lo, matrix, tl.dot(hi, matrix, x_{c}))\n" for c in chunks)
+    out += f"{BODY}    largest = largest * {side.matrix_unit}\n"
+    return out + "".join(f"{BODY}x_{c} = x_{c} * largest[:, None]\n" for c in chunks)
+
+
 def rotate_out_blocks(side: SideLayout) -> str:
     """Flatten: `tile_<c>` (position order, float32) <- chunk c of the rows in the input basis. The tiles come in as
     float32, or as fp16 codebook entries for an fp16 or bf16 output (flatten's PTX lookups), which the one-dot
@@ -112,6 +143,19 @@ def rotate_out_blocks(side: SideLayout) -> str:
     out += f"{BODY}largest = largest * {side.matrix_unit}{factor}\n"
     return out + "".join(f"{BODY}tile_{c} = tile_{c} * largest[:, None] * tl.load({name}_matrix_ptr + "
                          f"{side.chunk_columns(c)}).to(tl.float32)[None, :]\n" for c in chunks)
+
+
+def flatten_back(side: SideLayout, keep_rotated: bool) -> str:
+    """Flatten: a Hadamard-block side's tiles back to the input basis (rotate_out_blocks); where the kernel can also
+    keep the rotated basis, that under ROTATED instead. Nothing for other sides."""
+    if not side.hadamard_blocks:
+        return ""
+    if not keep_rotated:
+        return rotate_out_blocks(side) + "\n"
+    factor = f" * {side.name}_{side.row_factor}[:, None]" if side.factor_after_matrix else ""
+    return (f"{BODY}if ROTATED:\n"
+            + "".join(f"{BODY}    tile_{c} = tile_{c}.to(tl.float32){factor}\n" for c in range(side.chunks))
+            + f"{BODY}else:\n" + indented(rotate_out_blocks(side)) + "\n")
 
 
 def decode_query(key: SideLayout) -> str:

@@ -24,7 +24,7 @@ def fast_tiles(side: SideLayout, indent: int = 12) -> str:
 
 def load_metadata(side: SideLayout, suffix: str, rows: str, indent: int) -> str:
     """`<side>_<field><suffix>` for every per-row metadata field of the rows `row<rows>`. Scales per group of
-    channels are read per chunk (dequantize.j2's chunk_tile) or per group (scale_groups.py)."""
+    channels are read per chunk (dequantize.chunk_tile) or per group (scale_groups.py)."""
     name, width = side.name, len(side.metadata)
     return "".join(f"{' ' * indent}{name}_{field}{suffix} = tl.load({name}_meta_ptr + row{rows} * {width} + {i}, "
                    f"mask=valid{rows}, other=0.0)\n" for i, field in enumerate(side.row_metadata))

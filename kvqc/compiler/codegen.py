@@ -23,8 +23,8 @@ from kvqc import __version__
 from kvqc.numerics import rotation
 from kvqc.compiler.fold import fold, folded_tree
 from kvqc.compiler.pieces import (cache_rows, cells, codecs, constants, dequantize, flatten, gluon, packing,
-                                  parts, quantize, rotate, scale_groups, selects, signature, split_state, tables,
-                                  tiles, unpack)
+                                  parts, planes, quantize, rotate, scale_groups, selects, signature, split_state,
+                                  tables, tiles, unpack)
 from kvqc.compiler.pieces.packing import over
 from kvqc.compiler.layout import Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
@@ -50,9 +50,9 @@ def _environment() -> jinja2.Environment:
     env.filters["over"] = over
     # The pieces Python lays out (kvqc/compiler/pieces/), for the templates to place.
     env.globals.update(cache_rows=cache_rows, cells=cells, codecs=codecs, constants=constants, dequantize=dequantize,
-                       flatten=flatten, gluon=gluon, packing=packing, parts=parts, quantize=quantize, rotate=rotate,
-                       scale_groups=scale_groups, selects=selects, signature=signature, split_state=split_state,
-                       tables=tables, tiles=tiles, unpack=unpack)
+                       flatten=flatten, gluon=gluon, packing=packing, parts=parts, planes=planes, quantize=quantize,
+                       rotate=rotate, scale_groups=scale_groups, selects=selects, signature=signature,
+                       split_state=split_state, tables=tables, tiles=tiles, unpack=unpack)
     return env
 
 

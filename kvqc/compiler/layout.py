@@ -22,7 +22,6 @@ import textwrap
 from dataclasses import dataclass
 
 from kvqc.numerics import rotation
-from kvqc.compiler.pieces import planes
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
 
@@ -1745,11 +1744,6 @@ class Layout:
         by_kind = {side.fast_unpack: side for side in self.sides if side.plane_unpack}
         forms = dict.fromkeys((side.fast_unpack, side.pairs) for side in self.sides if side.plane_unpack)
         return tuple((kind, pairs, by_kind[kind]) for kind, pairs in forms)
-
-    @property
-    def plane_sources(self) -> tuple[str, ...]:
-        """The source of each plane_helpers helper (planes.py writes them)."""
-        return tuple(planes.helper_source(kind, pairs, side) for kind, pairs, side in self.plane_helpers)
 
     @property
     def unpacks_in_ptx(self) -> bool:

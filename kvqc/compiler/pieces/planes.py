@@ -10,7 +10,10 @@ contract of the hand-written helpers (runtime/ptx.py: lane-wise, and what is_pur
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvqc.compiler.layout import Layout
 
 BYTES = 0x01010101  # a mask repeated in each byte of a register
 
@@ -29,6 +32,11 @@ class PlaneSide(Protocol):
     levels: int
     code_bits: int
     code_centre: int
+
+
+def sources(layout: Layout) -> str:
+    """Every helper the layout's bit-plane sides call (Layout.plane_helpers), two blank lines after each."""
+    return "".join(helper_source(kind, pairs, side) + "\n\n\n" for kind, pairs, side in layout.plane_helpers)
 
 
 def helper_source(kind: str, pairs: bool, side: PlaneSide) -> str:

@@ -2613,12 +2613,42 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return _take(x, torch.empty_like(order).scatter_(1, order, places))
 
 
+_TAKE_BLOCK_T = 32  # tokens a program permutes
+
+
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """y[t, h, j] = x[t, h, index[h, j]]: one index_select over each token's heads * head_dim values, whose index
-    is that small (torch.gather would read an index the size of x, four times its bytes in int64)."""
+    """y[t, h, j] = x[t, h, index[h, j]], contiguous: _take_kernel, at about a copy's speed (H200, 65,536 tokens x 8
+    heads x 128 in fp16: 74 us, a copy 68, torch's index_select over each token's heads * head_dim values 195)."""
     tokens, heads, head_dim = x.shape
-    flat = (index + torch.arange(heads, device=index.device)[:, None] * head_dim).view(-1)
-    return x.reshape(tokens, heads * head_dim).index_select(1, flat).view(tokens, heads, head_dim)
+    y = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        _launch(
+            _take_kernel, (_cdiv(tokens, _TAKE_BLOCK_T), heads),
+            x, index, y, tokens, x.stride(0), x.stride(1), x.stride(2), y.stride(0),
+            HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim), BLOCK_T=_TAKE_BLOCK_T,
+        )
+    return y
+
+
+@triton.jit
+def _take_kernel(
+    x_ptr, index_ptr, y_ptr, tokens, stride_token, stride_head, stride_dim, stride_out_token,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """BLOCK_T tokens of one head: rows loaded whole, permuted in registers (tl.gather; columns gathered from
+    memory ran at half a copy's speed), stored whole. An index outside the row (an order spoiled under a graph,
+    where no wrapper checks it) reads a column of the same row."""
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    column = tl.arange(0, DIM_PAD)
+    inside = column < HEAD_DIM
+    index = tl.load(index_ptr + head * HEAD_DIM + column, mask=inside, other=0)
+    index = tl.minimum(tl.maximum(index, 0), HEAD_DIM - 1).to(tl.int32)
+    mask = (token < tokens)[:, None] & inside[None, :]
+    x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_token + head * stride_head + column[None, :] * stride_dim,
+                mask=mask, other=0.0)
+    y = tl.gather(x, tl.broadcast_to(index[None, :], [BLOCK_T, DIM_PAD]), axis=1)
+    tl.store(y_ptr + token[:, None].to(tl.int64) * stride_out_token + head * HEAD_DIM + column[None, :], y, mask=mask)
 
 
 def _check_channels(cache: KVCache, name: str) -> bool:

@@ -169,6 +169,23 @@ def test_an_order_spoiled_under_a_graph_stays_inside_the_rows(name):
     assert guarded[0].isnan().all() and guarded[2].isnan().all() and guarded[1].isfinite().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rows_are_permuted_per_head(dtype):
+    """fill's and flatten's channel permutation (_take, one Triton kernel) equals indexing, for strided rows too, and
+    an index out of range (an order spoiled under a graph) reads inside the row."""
+    m = generated("turbo_outlier_2p5")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3, 128, generator=g).to(DEVICE, dtype)
+    order = torch.stack([torch.randperm(128, generator=g) for _ in range(3)]).to(DEVICE)
+    want = x[:, torch.arange(3, device=DEVICE)[:, None], order]
+    assert torch.equal(m._take(x, order), want)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(m._take(strided, order), want)
+    order[1, 5], order[2, 7] = 128, -1
+    spoiled = m._take(x, order)
+    assert torch.equal(spoiled[:, 1, 5], x[:, 1, 127]) and torch.equal(spoiled[:, 2, 7], x[:, 2, 0])
+
+
 def test_split_beats_the_plain_grid_on_outlier_channels():
     """The reason for the split: at 2.5 bits, keys with wide channels come back closer than at a plain 2 bits, and
     choosing the channels by variance beats a fixed, wrong choice. Float64 reference, d=128, 400 tokens x 4 heads."""

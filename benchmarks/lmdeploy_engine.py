@@ -86,7 +86,7 @@ KERNEL_CATEGORIES = {
     "kvqc attention": r"_(decode_kernel|decode_reduce_kernel|rotate_query_kernel|window_decode_kernel|"
                       r"query_parts_kernel|merge_parts_kernel|map_rows_kernel)",
     "kvqc fill": r"_(fill_kernel|slot_mapping_kernel|hadamard_kernel|window_store_kernel|key_group_kernel|"
-                 r"flatten_kernel)",
+                 r"flatten_kernel|take_kernel)",
     "lmdeploy attention": r"_(fill_kv_cache|fill_page_quant|flatten_kv_cache|fwd_grouped_split|reduce_split|"
                           r"fused_reduce_hadamard|flash_prefill_fwd)|.*flash_fwd|.*flash::",
     "gemm": r"(?i).*(gemm|gemv|cutlass|cublas|nvjet|xmma)",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from kvqc.compiler.pieces import cache_rows, packing, scale_groups, unpack
 from kvqc.compiler.pieces.codecs import grid, lloyd_max, residuals, scales
 from kvqc.compiler.pieces.dequantize import chunk_tile
-from kvqc.compiler.pieces.packing import indented
+from kvqc.compiler.pieces.packing import BODY, indented
 
 if TYPE_CHECKING:
     from kvqc.compiler.layout import SideLayout
@@ -129,7 +129,7 @@ def scale_loads(side: SideLayout, suffix: str, rows: str, indent: int, assign_fr
 def _portable_tile(side: SideLayout, c: int) -> str:
     """`tile_<c>`, chunk c of a channel_dots side on the portable path: its codes' level, less tile_level."""
     level = f"(level - {side.tile_level})" if side.tile_level else "level"
-    return packing.chunk_code(side, c) + grid(side).level(side) + f"    tile_{c} = {level}.to(DOT_DTYPE)"
+    return packing.chunk_code(side, c) + grid(side).level(side) + f"{BODY}tile_{c} = {level}.to(DOT_DTYPE)"
 
 
 def channel_dots(key: SideLayout) -> str:

@@ -63,6 +63,13 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _channel(order_ptr, mask, HEAD_DIM: tl.constexpr):
+    """Channels of a KV head's order, held inside the row: the wrappers check the order on eager calls, and one
+    changed while a CUDA graph replays must not read or write past the row."""
+    return tl.minimum(tl.maximum(tl.load(order_ptr, mask=mask, other=0), 0), HEAD_DIM - 1)
+
+
+@triton.jit
 def _take_kernel(
     x_ptr, index_ptr, y_ptr, tokens, stride_token, stride_head, stride_dim, stride_out_token,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -74,8 +81,7 @@ def _take_kernel(
     head = tl.program_id(1)
     column = tl.arange(0, DIM_PAD)
     inside = column < HEAD_DIM
-    index = tl.load(index_ptr + head * HEAD_DIM + column, mask=inside, other=0)
-    index = tl.minimum(tl.maximum(index, 0), HEAD_DIM - 1).to(tl.int32)
+    index = _channel(index_ptr + head * HEAD_DIM + column, inside, HEAD_DIM).to(tl.int32)
     mask = (token < tokens)[:, None] & inside[None, :]
     x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_token + head * stride_head + column[None, :] * stride_dim,
                 mask=mask, other=0.0)

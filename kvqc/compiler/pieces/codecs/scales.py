@@ -92,11 +92,16 @@ def _store_group_fields(side: SideLayout, offsets: list[str], valid: str) -> str
                    f"mask={valid})\n" for at, field in zip(offsets, side.metadata))
 
 
+def _group_mask(side: SideLayout, valid: str) -> str:
+    """rows x a chunk's scale groups: the `valid` rows, and where chunks are padded only the groups of real columns."""
+    return f"{valid}[:, None]" + (f" & {side.name}_group_in[None, :]" if side.padded else "")
+
+
 def grouped_codes(side: SideLayout, c: int, valid: str, grid: Grid) -> str:
     """Chunk c's codes when scale groups of G channels lie inside a chunk: the chunk is viewed as [rows, groups, G],
     reduced along G, and its groups' metadata stored right away."""
     name, fields = side.name, len(side.metadata)
-    mask = f"{valid}[:, None]" + (f" & {name}_group_in[None, :]" if side.padded else "")
+    mask = _group_mask(side, valid)
     return (f"{BODY}grouped = tl.reshape(x_{c}, [BLOCK_T, {name.upper()}_GROUPS, {side.group_size}])\n"
             + group_scale(side, grid, "tl.min(grouped, axis=2)", "tl.max(grouped, axis=2)",
                           "tl.max(tl.abs(grouped), axis=2)")
@@ -174,7 +179,7 @@ def spanning_tile(side: SideLayout, c: int, rows: str, valid: str) -> str:
 def groups_inside_tile(side: SideLayout, c: int, rows: str, valid: str) -> str:
     """`tile` for chunk c when its scale groups lie inside it: the chunk viewed as [rows, groups, group_size]."""
     name, fields = side.name, len(side.metadata)
-    mask = f"{valid}[:, None]" + (f" & {name}_group_in[None, :]" if side.padded else "")
+    mask = _group_mask(side, valid)
     shifted = "tile + zero[:, :, None]" if side.scale_kind == "minmax" else "tile"
     return (f"{BODY}group = {side.chunk_groups(c)}\n"
             + "".join(f"{BODY}{field} = tl.load({name}_meta_ptr + row[:, None] * {side.meta_width_expr} + "

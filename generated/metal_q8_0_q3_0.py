@@ -1151,11 +1151,12 @@ def _decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    # Transposed, out^T += tile^T @ p^T: the query heads are the dots' N (8 rows, not 16), half the registers
     # acc_p<k>: chunks 2k and 2k + 1, side by side (position order)
-    acc_p0 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
-    acc_p1 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
-    acc_p2 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
-    acc_p3 = tl.zeros([GROUP_PAD, 2 * VALUE_CHUNK], tl.float32)
+    acc_p0 = tl.zeros([2 * VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_p1 = tl.zeros([2 * VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_p2 = tl.zeros([2 * VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_p3 = tl.zeros([2 * VALUE_CHUNK, GROUP_PAD], tl.float32)
     value_pair = tl.arange(0, 2 * VALUE_CHUNK)
     # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is the next one.
     value_upper = tl.where(value_pair >= VALUE_CHUNK, 255, 0).to(tl.uint8)[None, :]
@@ -1401,10 +1402,10 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_p0 *= alpha[:, None]
-                acc_p1 *= alpha[:, None]
-                acc_p2 *= alpha[:, None]
-                acc_p3 *= alpha[:, None]
+                acc_p0 *= alpha[None, :]
+                acc_p1 *= alpha[None, :]
+                acc_p2 *= alpha[None, :]
+                acc_p3 *= alpha[None, :]
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
@@ -1429,19 +1430,19 @@ def _decode_kernel(
                 tile = _unpack_lut3_pairs(
                     value_pair_0, value_pair_1_0, value_upper, 0, 0, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
                 )
-                acc_p0 = tl.dot(weights, tile, acc_p0)
+                acc_p0 = tl.dot(tl.trans(tile), tl.trans(weights), acc_p0)
                 tile = _unpack_lut3_pairs(
                     value_pair_0, value_pair_1_0, value_upper, 2, 2, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
                 )
-                acc_p1 = tl.dot(weights, tile, acc_p1)
+                acc_p1 = tl.dot(tl.trans(tile), tl.trans(weights), acc_p1)
                 tile = _unpack_lut3_pairs(
                     value_pair_0, value_pair_1_0, value_upper, 4, 4, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
                 )
-                acc_p2 = tl.dot(weights, tile, acc_p2)
+                acc_p2 = tl.dot(tl.trans(tile), tl.trans(weights), acc_p2)
                 tile = _unpack_lut3_pairs(
                     value_pair_0, value_pair_1_0, value_upper, 6, 6, value_lut_0, value_lut_1, value_lut_2, value_lut_3,
                 )
-                acc_p3 = tl.dot(weights, tile, acc_p3)
+                acc_p3 = tl.dot(tl.trans(tile), tl.trans(weights), acc_p3)
             else:
                 value_pair_0 = value_pair_0.to(tl.int32)
                 value_pair_1_0 = value_pair_1_0.to(tl.int32)
@@ -1449,22 +1450,22 @@ def _decode_kernel(
                 code = code | ((value_pair_1_0 & 3) << 1)
                 tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
-                acc_p0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p0)
+                acc_p0 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_p0)
                 code = (value_pair_0 >> (2 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 2) & 3) << 1)
                 tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
-                acc_p1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p1)
+                acc_p1 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_p1)
                 code = (value_pair_0 >> (4 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 4) & 3) << 1)
                 tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
-                acc_p2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p2)
+                acc_p2 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_p2)
                 code = (value_pair_0 >> (6 + value_upper_bits)) & 1
                 code = code | (((value_pair_1_0 >> 6) & 3) << 1)
                 tile = _codebook_8(code, value_c0, value_c1, value_c2, value_c3, value_c4, value_c5, value_c6, value_c7)
 
-                acc_p3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_p3)
+                acc_p3 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_p3)
 
             row = row_next
             valid = valid_next
@@ -1483,6 +1484,10 @@ def _decode_kernel(
 
             value_norm_raw = value_norm_next
 
+    acc_p0 = tl.trans(acc_p0)
+    acc_p1 = tl.trans(acc_p1)
+    acc_p2 = tl.trans(acc_p2)
+    acc_p3 = tl.trans(acc_p3)
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)

@@ -1201,10 +1201,11 @@ def _decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined when a whole tile is masked.
     running_max = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc_0 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_1 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_2 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
-    acc_3 = tl.zeros([GROUP_PAD, VALUE_CHUNK], tl.float32)
+    # Transposed, out^T += tile^T @ p^T: the query heads are the dots' N (8 rows, not 16), half the registers
+    acc_0 = tl.zeros([VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_1 = tl.zeros([VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_2 = tl.zeros([VALUE_CHUNK, GROUP_PAD], tl.float32)
+    acc_3 = tl.zeros([VALUE_CHUNK, GROUP_PAD], tl.float32)
 
     # Triton pipelines the code tiles; the per-token loads (block ids, metadata) it leaves in the loop, where each
     # would stall the tile that uses it. So they are issued a tile ahead (block ids two), by hand.
@@ -1295,10 +1296,10 @@ def _decode_kernel(
             if not LAZY_RESCALE or tl.max(new_max - running_max, axis=0) > 0:
                 alpha = tl.exp2(running_max - new_max)
                 running_sum *= alpha
-                acc_0 *= alpha[:, None]
-                acc_1 *= alpha[:, None]
-                acc_2 *= alpha[:, None]
-                acc_3 *= alpha[:, None]
+                acc_0 *= alpha[None, :]
+                acc_1 *= alpha[None, :]
+                acc_2 *= alpha[None, :]
+                acc_3 *= alpha[None, :]
                 running_max = new_max
             p = tl.exp2(scores - running_max[:, None])
             running_sum += tl.sum(p, axis=1)
@@ -1315,38 +1316,42 @@ def _decode_kernel(
             if FAST_UNPACK:
                 tile_0, tile_1, tile_2, tile_3 = _unpack_lut2(value_bytes_0_0, value_lut_0, value_lut_1)
 
-                acc_0 = tl.dot(weights, tile_0, acc_0)
-                acc_1 = tl.dot(weights, tile_1, acc_1)
-                acc_2 = tl.dot(weights, tile_2, acc_2)
-                acc_3 = tl.dot(weights, tile_3, acc_3)
+                acc_0 = tl.dot(tl.trans(tile_0), tl.trans(weights), acc_0)
+                acc_1 = tl.dot(tl.trans(tile_1), tl.trans(weights), acc_1)
+                acc_2 = tl.dot(tl.trans(tile_2), tl.trans(weights), acc_2)
+                acc_3 = tl.dot(tl.trans(tile_3), tl.trans(weights), acc_3)
             else:
                 value_bytes_0_0 = value_bytes_0_0.to(tl.int32)
                 code = value_bytes_0_0 & 3
 
                 tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
-                acc_0 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_0)
+                acc_0 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_0)
                 code = (value_bytes_0_0 >> 2) & 3
 
                 tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
-                acc_1 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_1)
+                acc_1 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_1)
                 code = (value_bytes_0_0 >> 4) & 3
 
                 tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
-                acc_2 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_2)
+                acc_2 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_2)
                 code = (value_bytes_0_0 >> 6) & 3
 
                 tile = _codebook_4(code, value_c0, value_c1, value_c2, value_c3)
 
-                acc_3 = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_3)
+                acc_3 = _mm(tl.trans(tile.to(DOT_DTYPE)), tl.trans(weights), DOT_PRECISION, acc_3)
 
             row = row_next
             valid = valid_next
             key_norm_raw = key_norm_next
             value_norm_raw = value_norm_next
 
+    acc_0 = tl.trans(acc_0)
+    acc_1 = tl.trans(acc_1)
+    acc_2 = tl.trans(acc_2)
+    acc_3 = tl.trans(acc_3)
     part = q_row * num_splits + split
     tl.store(partial_max_ptr + part, running_max, mask=q_valid)
     tl.store(partial_sum_ptr + part, running_sum, mask=q_valid)

@@ -16,10 +16,13 @@ Terms used across kvqc and the generated code:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import struct
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvqc.numerics import rotation
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
@@ -104,6 +107,8 @@ class SideLayout:
     # of the head, and the rest after them. Each part is quantized like a side of its own width.
     part: str = ""  # "" (the whole side, or the rest of a split) | "outlier"
     whole: TensorScheme | None = None  # a split side's own scheme (its `outliers` say how); None: not split
+    # The scheme is in decode_tuning.json's `transposed_value_acc` (measured faster there): see transposed_acc.
+    transposed_listed: bool = False
 
     @property
     def split(self) -> bool:
@@ -455,6 +460,16 @@ class SideLayout:
         if self.pairs:
             return tuple(f"p{k}" for k in range(self.chunks // 2))
         return tuple(str(c) for c in range(self.chunks))
+
+    @property
+    def transposed_acc(self) -> bool:
+        """Decode accumulates this V side transposed, out^T += tile^T @ p^T: positions as the dot's M, the query
+        heads (padded to 8, not 16) as N, so the accumulators take half the registers. For the schemes the tuning
+        table lists (`transposed_value_acc`, its note has the measurements), where V's Lloyd-Max lookups are impure
+        PTX helpers: their fp16 tiles reach tl.dot through shared memory either way. It pays in one-warp programs
+        only, and not where a pure helper (u4, u8) unpacks bytes that Triton reads in tl.dot's operand layout."""
+        return (self.transposed_listed and self.lloyd_max and self.fast_unpack not in ("", "lut1") and not self.qjl
+                and not self.group_dots and not self.word_unpack)
 
     @property
     def word_fields(self) -> tuple[tuple[str, str], ...]:
@@ -2200,4 +2215,11 @@ def plan(scheme: Scheme) -> Layout:
         t: TensorScheme = getattr(scheme, base)
         parts[base] = _side(base, t, scheme.head_dims)
         parts[f"{base}_outlier"] = _side(f"{base}_outlier", t, scheme.head_dims, "outlier") if t.outliers else None
+    if scheme.name in _tuning_table().get("transposed_value_acc", ()):
+        parts["value"] = dataclasses.replace(parts["value"], transposed_listed=True)
     return Layout(scheme, **parts)
+
+
+def _tuning_table() -> dict:
+    """templates/decode_tuning.json: measured launch settings, and the schemes some plan decisions are made for."""
+    return json.loads((Path(__file__).parent / "templates" / "decode_tuning.json").read_text(encoding="utf-8"))

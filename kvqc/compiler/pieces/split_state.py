@@ -46,6 +46,9 @@ def init(layout: Layout) -> str:
         if value.decode_shift:
             lines.append(f"    acc_{tag}shift = tl.zeros([GROUP_PAD], tl.float32)  # sum of p * shift, the same for "
                          "every column")
+        if value.transposed_acc:
+            lines.append("    # Transposed, out^T += tile^T @ p^T: the query heads are the dots' N (8 rows, not 16), "
+                         "half the registers")
         if value.group_dots:
             lines.append(scale_groups.value_accs(value, "init", 4) + "\n")  # and a blank line
         elif value.word_unpack:
@@ -55,17 +58,22 @@ def init(layout: Layout) -> str:
             lines += [f"    acc_{tag}{t} = tl.zeros([GROUP_PAD, {words}], tl.float32)" for t in value.acc_tiles]
         elif value.pairs:
             lines.append("    # acc_p<k>: chunks 2k and 2k + 1, side by side (position order)")
-            lines += [f"    acc_{tag}{t} = tl.zeros([GROUP_PAD, 2 * {value.chunk_pad}], tl.float32)"
+            lines += [f"    acc_{tag}{t} = tl.zeros({_acc_shape(value, f'2 * {value.chunk_pad}')}, tl.float32)"
                       for t in value.acc_tiles]
             masks = _pair_masks(value)
             lines += [masks[0], "    # Where a pair's bytes of the narrowest plane are the upper chunk's: its field is "
                       "the next one.", *masks[1:]]
         else:
             for c in range(value.chunks):
-                lines.append(f"    acc_{tag}{c} = tl.zeros([GROUP_PAD, {value.chunk_pad}], tl.float32)")
+                lines.append(f"    acc_{tag}{c} = tl.zeros({_acc_shape(value, value.chunk_pad)}, tl.float32)")
                 if value.qjl:
                     lines.append(f"    acc_{tag}qjl_{c} = tl.zeros([GROUP_PAD, {value.chunk_pad}], tl.float32)")
     return _lines(lines)
+
+
+def _acc_shape(value: SideLayout, columns: str) -> str:
+    """A V accumulator's shape: [GROUP_PAD, columns], or [columns, GROUP_PAD] where it is accumulated transposed."""
+    return f"[{columns}, GROUP_PAD]" if value.transposed_acc else f"[GROUP_PAD, {columns}]"
 
 
 def rescale(layout: Layout) -> str:
@@ -79,15 +87,19 @@ def rescale(layout: Layout) -> str:
             out += scale_groups.value_accs(value, "rescale", len(LOOP))
             continue
         for t in value.acc_tiles:
-            out += f"{LOOP}acc_{tag}{t} *= alpha[:, None]\n"
+            out += f"{LOOP}acc_{tag}{t} *= alpha[{'None, :' if value.transposed_acc else ':, None'}]\n"
             if value.qjl:
                 out += f"{LOOP}acc_{tag}qjl_{t} *= alpha[:, None]\n"
     return out
 
 
 def finish(layout: Layout) -> str:
-    """After the loop: V read as words back to position order, and the shift's sum added to every column."""
+    """After the loop: transposed accumulators back to [GROUP_PAD, columns], V read as words back to position
+    order, and the shift's sum added to every column."""
     lines = []
+    for value in layout.value_parts:
+        if value.transposed_acc:
+            lines += [f"    acc_{value.tag}{t} = tl.trans(acc_{value.tag}{t})" for t in value.acc_tiles]
     for value in layout.value_parts:
         if not value.word_unpack:
             continue

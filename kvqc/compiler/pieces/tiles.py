@@ -24,6 +24,13 @@ def centred(side: SideLayout) -> str:
     return f"(tile - {side.level_mid})" if side.level_mid else "tile"
 
 
+def value_dot(value: SideLayout, tile: str, acc: str, fast: bool) -> str:
+    """`acc` plus the weights against `tile`: tl.dot where a PTX helper made the tile, _mm (DOT_PRECISION) on the
+    portable path; transposed, tile^T @ weights^T, where the plan accumulates V so (SideLayout.transposed_acc)."""
+    operands = f"tl.trans({tile}), tl.trans(weights)" if value.transposed_acc else f"weights, {tile}"
+    return f"tl.dot({operands}, {acc})" if fast else f"_mm({operands}, DOT_PRECISION, {acc})"
+
+
 def _sum(name: str, first: bool) -> str:
     return f"{name} {'=' if first else '+='}"
 
@@ -56,7 +63,7 @@ def value_acc(value: SideLayout, value_qjl: bool) -> str:
         return out
     for c in range(value.chunks):
         out += indented(chunk_tile(value, c, "BLOCK_N", "valid")) + "\n"
-        out += f"{LOOP}acc_{tag}{c} = _mm(weights, {centred(value)}.to(DOT_DTYPE), DOT_PRECISION, acc_{tag}{c})\n"
+        out += f"{LOOP}acc_{tag}{c} = {value_dot(value, f'{centred(value)}.to(DOT_DTYPE)', f'acc_{tag}{c}', False)}\n"
         if value_qjl:
             out += (f"{LOOP}acc_{tag}qjl_{c} = _mm(weights_qjl, signs.to(DOT_DTYPE), DOT_PRECISION, "
                     f"acc_{tag}qjl_{c})\n")
@@ -78,12 +85,12 @@ def pair_accs(value: SideLayout, value_fast: str) -> str:
     out = f"{LOOP}if FAST_UNPACK:\n"
     for k in pairs:
         out += (f"{BRANCH}tile = _unpack_{value_fast}_pairs({value.pair_args(k)})\n"
-                f"{BRANCH}acc_{tag}p{k} = tl.dot(weights, tile, acc_{tag}p{k})\n")
+                f"{BRANCH}acc_{tag}p{k} = {value_dot(value, 'tile', f'acc_{tag}p{k}', True)}\n")
     out += f"{LOOP}else:\n" + packing.int_pairs(value)
     for k in pairs:
         out += _pair_tile(value, k)
         out += (indented(residuals.SIGN.tile(value), 8) if value.residual == "sign" else "") + "\n"
-        out += f"{BRANCH}acc_{tag}p{k} = _mm(weights, tile.to(DOT_DTYPE), DOT_PRECISION, acc_{tag}p{k})\n"
+        out += f"{BRANCH}acc_{tag}p{k} = {value_dot(value, 'tile.to(DOT_DTYPE)', f'acc_{tag}p{k}', False)}\n"
     return out
 
 

@@ -3,6 +3,7 @@ kernel: what `kvqc explain` and a module's DECODE_UNPACK promise is what decode 
 """
 
 import inspect
+import json
 import re
 
 import pytest
@@ -112,3 +113,22 @@ def test_every_lloyd_max_index_width_takes_ptx(bits, residual):
         assert (f'tables["{side.name}_entries"]' in source) == gathers
         groups = 2 ** bits // 8 if not gathers else 0
         assert helper.count(", m, 0xd8;") == (2 * (groups - 1) if groups > 1 else 0), (side.name, kind)
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_value_accumulates_transposed_where_the_table_lists_it(name):
+    """decode_tuning.json's `transposed_value_acc` (measured faster there) is what the split kernel does: a listed
+    scheme's V dots take tile^T @ p^T into [columns, GROUP_PAD] accumulators, turned back once after the tile loop;
+    every other scheme's take p @ tile. A listed scheme the plan cannot transpose (a pure or QJL V) fails here."""
+    listed = name in json.loads(codegen.DECODE_TUNING.read_text(encoding="utf-8"))["transposed_value_acc"]
+    layout = plan(load_scheme(scheme_file(name)))
+    assert [side.transposed_acc for side in layout.value_parts] == [listed] * len(layout.value_parts)
+    source = inspect.getsource(generated(name)._decode_kernel.fn)
+    transposed = re.findall(r"(acc_\w+) = (?:tl\.dot|_mm)\(tl\.trans\([^\n]*\), tl\.trans\(weights\)", source)
+    plain = re.findall(r"(acc_\w+) = (?:tl\.dot|_mm)\(weights, ", source)
+    if listed:
+        assert transposed and not plain, (transposed, plain)
+        for acc in set(transposed):
+            assert f"    {acc} = tl.trans({acc})\n" in source, acc  # back to [GROUP_PAD, columns] once
+    else:
+        assert not transposed

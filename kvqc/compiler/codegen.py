@@ -26,7 +26,7 @@ from kvqc.compiler.pieces import (cache_rows, cells, codecs, constants, dequanti
                                   parts, planes, quantize, rotate, scale_groups, selects, signature, split_state,
                                   tables, tiles, unpack)
 from kvqc.compiler.pieces.packing import over
-from kvqc.compiler.layout import Layout, SideLayout, plan
+from kvqc.compiler.layout import DECODE_TUNING, Layout, SideLayout, plan
 from kvqc.compiler.spec import Scheme, printable
 from kvqc.compiler.wrap import wrap
 
@@ -119,9 +119,6 @@ def _generator_source() -> str:
     return "\n\n\n".join(
         inspect.getsource(f).strip() for f in (rotation.splitmix64, rotation.uniform, rotation.gaussian_matrix)
     )
-
-
-DECODE_TUNING = TEMPLATES / "decode_tuning.json"
 
 
 def decode_tuning(name: str, head_dims: tuple[int, ...] = ()) -> dict:

@@ -27,6 +27,10 @@ from pathlib import Path
 from kvqc.numerics import rotation
 from kvqc.compiler.spec import FP8_FORMATS, FP8_TARGET, Scheme, TensorScheme
 
+# Measured decode and fill settings (`kvqc tune --write`): codegen renders the launch settings, plan() reads the
+# schemes some of its decisions are made for.
+DECODE_TUNING = Path(__file__).resolve().parent / "templates" / "decode_tuning.json"
+
 
 # The portable path's one fast case (SideLayout.portable_reason): fp8 codes, which the hardware converts.
 HARDWARE_CONVERTED = "fp8 codes, which the hardware converts"
@@ -2221,5 +2225,5 @@ def plan(scheme: Scheme) -> Layout:
 
 
 def _tuning_table() -> dict:
-    """templates/decode_tuning.json: measured launch settings, and the schemes some plan decisions are made for."""
-    return json.loads((Path(__file__).parent / "templates" / "decode_tuning.json").read_text(encoding="utf-8"))
+    """DECODE_TUNING's measured launch settings, and the schemes some plan decisions are made for."""
+    return json.loads(DECODE_TUNING.read_text(encoding="utf-8"))

@@ -141,6 +141,16 @@ _FAST_UNPACK = _COMPILED_CUDA
 # Tokens per fill and flatten program (4 warps): where a side takes a matrix, 64 rows make full tensor-core tiles;
 # an elementwise fill takes 32, which spreads its registers over twice the threads.
 _FILL_BLOCK_T = 64
+# Fill programs per SM, each looping over its share of the tiles with 2 pipeline stages, so that the next tile's rows
+# arrive while this one is rotated and quantized. Per head_dim: under a register cap, as many as an SM holds, so
+# that a large fill is one wave (`fill_programs` in templates/decode_tuning.json overrides the count); 8 elsewhere.
+_FILL_PROGRAMS_PER_SM = {}
+# Registers per thread of the looping fill, per head_dim where measured (templates/decode_tuning.json,
+# `fill_registers`): a cap that lets one more program reside per SM. Other head dims keep the compiler's count.
+_FILL_MAX_REGISTERS = {}
+# Warps of a fill program, per head_dim where 8 were measured faster than 4 (templates/decode_tuning.json,
+# `fill_warps`): where a wide tile's rotated chunks, held through the quantization, spill 4 warps' registers.
+_FILL_WARPS = {256: 8}
 # The longest chunk of tokens a decode split loops over with a constant trip count (what lets Triton pipeline the
 # loads); a split takes several when a sequence is longer than the chunks its split count covers.
 _SPLIT_CHUNK_MAX = 2048
@@ -148,6 +158,13 @@ _SPLIT_CHUNK_MAX = 2048
 # (sequence, KV head) (Layout.decode_merge); more, and _decode_reduce_kernel merges them, a program per query head.
 _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
+# Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
+# stages' copies of a dense rotation, or of a QJL projection's rows of S, loaded in the loop, would pass an SM's shared
+# memory. At one stage each program takes one tile.
+_LOOP_STAGES = {256: 1}
+# The same for bf16 and fp32 inputs, whose rows the loop splits into fp16 halves: where their stages' tiles would
+# pass an SM's shared memory (templates/decode_tuning.json, `fill_stages_split_inputs`).
+_SPLIT_INPUT_STAGES = {}
 # flatten into an engine's buffers, lengths unread: programs per SM that stride over the tiles.
 _FLATTEN_PROGRAMS_PER_SM = 32
 # Decode launch settings per head_dim: (BLOCK_N, num_warps, num_stages, split programs per SM, most splits per
@@ -224,19 +241,28 @@ def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _project_halves(hi, lo, matrix):
-    """(hi + lo) @ matrix^T for the fp16 halves of a float32 tile and a float32 matrix: three fp16 dots with float32
-    accumulation (hi and lo against the matrix's high half, hi against its low half): about 22 bits relative to each
-    operand's largest magnitude, as tf32x3's three dots keep, in half their operand registers."""
-    high, low = _halves(matrix)
+def _project_halves(hi, lo, high, low):
+    """(hi + lo) @ (high + low)^T for the fp16 halves of a float32 tile and of a float32 matrix (S's, made once in
+    `_tables`): three fp16 dots with float32 accumulation (hi and lo against the high half, hi against the low
+    half), about 22 bits relative to each operand's largest magnitude, as tf32x3's three dots keep, in half their
+    operand registers."""
     return tl.dot(hi, tl.trans(low), tl.dot(lo, tl.trans(high), tl.dot(hi, tl.trans(high))))
 
 
 @triton.jit
-def _expand_signs(signs, matrix):
-    """signs @ matrix for +-1 signs in fp16 and a float32 matrix: two fp16 dots on the matrix's halves, whose
-    products with +-1 are exact, with float32 accumulation."""
-    high, low = _halves(matrix)
+def _chunk_bits(positive, weight, CHUNKS: tl.constexpr):
+    """[rows, width // CHUNKS] from 0/1 positive [rows, width] whose column i * CHUNKS + c is chunk c's position
+    i: each chunk's bit times its weight (its place in a packed byte, or 0), summed over the chunks, which or's
+    them, the bits being disjoint."""
+    ROWS: tl.constexpr = positive.shape[0]
+    WIDTH: tl.constexpr = positive.shape[1]
+    return tl.sum(tl.reshape(positive * weight[None, :], [ROWS, WIDTH // CHUNKS, CHUNKS]), axis=2)
+
+
+@triton.jit
+def _expand_signs(signs, high, low):
+    """signs @ (high + low) for +-1 signs in fp16 and the fp16 halves of a float32 matrix (S's, made once in
+    `_tables`): two fp16 dots, whose products with +-1 are exact, with float32 accumulation."""
     return tl.dot(signs, low, tl.dot(signs, high))
 
 
@@ -363,7 +389,7 @@ def _fill_kernel(
     key_matrix_ptr,
     key_centroids_ptr,
     key_boundaries_ptr,
-    key_qjl_ptr,
+    key_qjl_halves_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
@@ -374,6 +400,7 @@ def _fill_kernel(
     stride_key_head,
     stride_value_token,
     stride_value_head,
+    tiles,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr,
@@ -383,7 +410,8 @@ def _fill_kernel(
     BLOCK_T: tl.constexpr,
     FAST_CELL: tl.constexpr,
 ):
-    """Quantize BLOCK_T new tokens of one KV head and write them to their slots."""
+    """Quantize `tiles` consecutive tiles of BLOCK_T new tokens of one KV head and write them to their slots. Triton
+    pipelines the loop: the next tile's rows arrive (cp.async) while this one is quantized."""
     # `share`: which of a KV head's programs this is, each with its own share of the tokens.
     if HEADS_FASTEST:  # axis 0 is (share, KV head), a share's KV heads side by side (see _heads_fastest)
         share = tl.program_id(0) // NUM_KV_HEADS
@@ -391,474 +419,547 @@ def _fill_kernel(
     else:
         share = tl.program_id(0)
         head = tl.program_id(1)
-    token = share * BLOCK_T + tl.arange(0, BLOCK_T)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
+    # S's fp16 halves, loaded once for every tile: S r for a whole row is one product per half, its column
+    # i * 8 + c chunk c's position i.
+    KEY_QJL_WIDE: tl.constexpr = HEAD_DIM <= 128  # head_dim 128; wider halves pass the shared memory
+    if KEY_QJL_WIDE:
+        key_dim = tl.arange(0, HEAD_DIM)
+        key_chunk_of = key_dim % 8
+        key_s_row = key_chunk_of * KEY_CHUNK + key_dim // 8
+        key_qjl_high = tl.load(key_qjl_halves_ptr + key_s_row[:, None] * HEAD_DIM + key_dim[None, :])
+        key_qjl_low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_s_row[:, None] * HEAD_DIM + key_dim[None, :]
+        )
+        key_sign_0 = tl.where(key_chunk_of % 2 == 0, 1 << (key_chunk_of // 2 * 2 + 1), 0)
+        key_sign_1 = tl.where(key_chunk_of % 2 == 1, 1 << (key_chunk_of // 2 * 2 + 1), 0)
     VALUE_CHUNK: tl.constexpr = HEAD_DIM // 8
     value_chunk = tl.arange(0, VALUE_CHUNK)
-    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-    # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
-    valid = (slot >= 0) & (slot < num_slots)
-    row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
+    for i in range(tiles):
+        token = (share * tiles + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+        # Out-of-range slots are dropped here as well as checked in the wrapper: a bad index never writes.
+        valid = (slot >= 0) & (slot < num_slots)
+        row = slot // BLOCK_SIZE * (BLOCK_SIZE * NUM_KV_HEADS) + slot % BLOCK_SIZE * TOKEN_STRIDE + head * HEAD_STRIDE
 
-    # key
-    key_input_0 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_1 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_2 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 2 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_3 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 3 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_4 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 4 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_5 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 5 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_6 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 6 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    key_input_7 = tl.load(
-        key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 7 * KEY_CHUNK
-        + key_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+        # key
+        key_input_0 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_1 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_2 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 2 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_3 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 3 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_4 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 4 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_5 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 5 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_6 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 6 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        key_input_7 = tl.load(
+            key_ptr + token[:, None].to(tl.int64) * stride_key_token + head * stride_key_head + 7 * KEY_CHUNK
+            + key_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
 
-    # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
-    parity = key_chunk[:, None] & key_chunk[None, :]
-    parity = parity ^ (parity >> 4)
-    parity = parity ^ (parity >> 2)
-    parity = parity ^ (parity >> 1)
-    key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if key_ptr.dtype.element_ty == tl.float16:
-        # fp16 rows times +-1 are exact products as they stand: one dot.
-        x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
-        x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_2 = tl.dot(key_input_2 * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_3 = tl.dot(key_input_3 * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_4 = tl.dot(key_input_4 * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_5 = tl.dot(key_input_5 * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_6 = tl.dot(key_input_6 * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        x_7 = tl.dot(key_input_7 * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
-        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
-    else:
-        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
-        x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_2 = key_input_2.to(tl.float32) * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_3 = key_input_3.to(tl.float32) * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_4 = key_input_4.to(tl.float32) * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_5 = key_input_5.to(tl.float32) * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_6 = key_input_6.to(tl.float32) * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        x_7 = key_input_7.to(tl.float32) * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
-        largest = tl.maximum(
-            tl.max(tl.abs(x_0), axis=1),
-            tl.maximum(
-                tl.max(tl.abs(x_1), axis=1),
+        # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
+        parity = key_chunk[:, None] & key_chunk[None, :]
+        parity = parity ^ (parity >> 4)
+        parity = parity ^ (parity >> 2)
+        parity = parity ^ (parity >> 1)
+        key_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+        if key_ptr.dtype.element_ty == tl.float16:
+            # fp16 rows times +-1 are exact products as they stand: one dot.
+            x_0 = tl.dot(key_input_0 * tl.load(key_matrix_ptr + key_chunk)[None, :], key_hadamard)
+            x_1 = tl.dot(key_input_1 * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_2 = tl.dot(key_input_2 * tl.load(key_matrix_ptr + 2 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_3 = tl.dot(key_input_3 * tl.load(key_matrix_ptr + 3 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_4 = tl.dot(key_input_4 * tl.load(key_matrix_ptr + 4 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_5 = tl.dot(key_input_5 * tl.load(key_matrix_ptr + 5 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_6 = tl.dot(key_input_6 * tl.load(key_matrix_ptr + 6 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            x_7 = tl.dot(key_input_7 * tl.load(key_matrix_ptr + 7 * KEY_CHUNK + key_chunk)[None, :], key_hadamard)
+            largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+        else:
+            # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+            x_0 = key_input_0.to(tl.float32) * tl.load(key_matrix_ptr + key_chunk).to(tl.float32)[None, :]
+            x_1 = key_input_1.to(tl.float32) * tl.load(key_matrix_ptr + KEY_CHUNK + key_chunk).to(tl.float32)[None, :]
+            x_2 = key_input_2.to(tl.float32) * tl.load(
+                key_matrix_ptr + 2 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            x_3 = key_input_3.to(tl.float32) * tl.load(
+                key_matrix_ptr + 3 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            x_4 = key_input_4.to(tl.float32) * tl.load(
+                key_matrix_ptr + 4 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            x_5 = key_input_5.to(tl.float32) * tl.load(
+                key_matrix_ptr + 5 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            x_6 = key_input_6.to(tl.float32) * tl.load(
+                key_matrix_ptr + 6 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            x_7 = key_input_7.to(tl.float32) * tl.load(
+                key_matrix_ptr + 7 * KEY_CHUNK + key_chunk
+            ).to(tl.float32)[None, :]
+            largest = tl.maximum(
+                tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_2), axis=1),
+                    tl.max(tl.abs(x_1), axis=1),
                     tl.maximum(
-                        tl.max(tl.abs(x_3), axis=1),
+                        tl.max(tl.abs(x_2), axis=1),
                         tl.maximum(
-                            tl.max(tl.abs(x_4), axis=1),
+                            tl.max(tl.abs(x_3), axis=1),
                             tl.maximum(
-                                tl.max(tl.abs(x_5), axis=1),
-                                tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
+                                tl.max(tl.abs(x_4), axis=1),
+                                tl.maximum(
+                                    tl.max(tl.abs(x_5), axis=1),
+                                    tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
+                                ),
                             ),
                         ),
                     ),
                 ),
-            ),
+            )
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            x_0 = _halves_dot(x_0 * spread[:, None], key_hadamard)
+            x_1 = _halves_dot(x_1 * spread[:, None], key_hadamard)
+            x_2 = _halves_dot(x_2 * spread[:, None], key_hadamard)
+            x_3 = _halves_dot(x_3 * spread[:, None], key_hadamard)
+            x_4 = _halves_dot(x_4 * spread[:, None], key_hadamard)
+            x_5 = _halves_dot(x_5 * spread[:, None], key_hadamard)
+            x_6 = _halves_dot(x_6 * spread[:, None], key_hadamard)
+            x_7 = _halves_dot(x_7 * spread[:, None], key_hadamard)
+            largest = largest * (1.0 / HEAD_DIM ** 0.5)
+        twin = x_0 - x_1
+        x_0 = x_0 + x_1
+        x_1 = twin
+        twin = x_2 - x_3
+        x_2 = x_2 + x_3
+        x_3 = twin
+        twin = x_4 - x_5
+        x_4 = x_4 + x_5
+        x_5 = twin
+        twin = x_6 - x_7
+        x_6 = x_6 + x_7
+        x_7 = twin
+        twin = x_0 - x_2
+        x_0 = x_0 + x_2
+        x_2 = twin
+        twin = x_1 - x_3
+        x_1 = x_1 + x_3
+        x_3 = twin
+        twin = x_4 - x_6
+        x_4 = x_4 + x_6
+        x_6 = twin
+        twin = x_5 - x_7
+        x_5 = x_5 + x_7
+        x_7 = twin
+        twin = x_0 - x_4
+        x_0 = x_0 + x_4
+        x_4 = twin
+        twin = x_1 - x_5
+        x_1 = x_1 + x_5
+        x_5 = twin
+        twin = x_2 - x_6
+        x_2 = x_2 + x_6
+        x_6 = twin
+        twin = x_3 - x_7
+        x_3 = x_3 + x_7
+        x_7 = twin
+
+        x_0 = x_0 * largest[:, None]
+        x_1 = x_1 * largest[:, None]
+        x_2 = x_2 * largest[:, None]
+        x_3 = x_3 * largest[:, None]
+        x_4 = x_4 * largest[:, None]
+        x_5 = x_5 * largest[:, None]
+        x_6 = x_6 * largest[:, None]
+        x_7 = x_7 * largest[:, None]
+
+        norm = tl.sqrt(
+            tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1)
+            + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1)
+            + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
         )
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        x_0 = _halves_dot(x_0 * spread[:, None], key_hadamard)
-        x_1 = _halves_dot(x_1 * spread[:, None], key_hadamard)
-        x_2 = _halves_dot(x_2 * spread[:, None], key_hadamard)
-        x_3 = _halves_dot(x_3 * spread[:, None], key_hadamard)
-        x_4 = _halves_dot(x_4 * spread[:, None], key_hadamard)
-        x_5 = _halves_dot(x_5 * spread[:, None], key_hadamard)
-        x_6 = _halves_dot(x_6 * spread[:, None], key_hadamard)
-        x_7 = _halves_dot(x_7 * spread[:, None], key_hadamard)
-        largest = largest * (1.0 / HEAD_DIM ** 0.5)
-    twin = x_0 - x_1
-    x_0 = x_0 + x_1
-    x_1 = twin
-    twin = x_2 - x_3
-    x_2 = x_2 + x_3
-    x_3 = twin
-    twin = x_4 - x_5
-    x_4 = x_4 + x_5
-    x_5 = twin
-    twin = x_6 - x_7
-    x_6 = x_6 + x_7
-    x_7 = twin
-    twin = x_0 - x_2
-    x_0 = x_0 + x_2
-    x_2 = twin
-    twin = x_1 - x_3
-    x_1 = x_1 + x_3
-    x_3 = twin
-    twin = x_4 - x_6
-    x_4 = x_4 + x_6
-    x_6 = twin
-    twin = x_5 - x_7
-    x_5 = x_5 + x_7
-    x_7 = twin
-    twin = x_0 - x_4
-    x_0 = x_0 + x_4
-    x_4 = twin
-    twin = x_1 - x_5
-    x_1 = x_1 + x_5
-    x_5 = twin
-    twin = x_2 - x_6
-    x_2 = x_2 + x_6
-    x_6 = twin
-    twin = x_3 - x_7
-    x_3 = x_3 + x_7
-    x_7 = twin
+        # A zero row stores norm 0 and reads back as zeros, never NaN.
+        inverse = 1.0 / tl.maximum(norm, 1e-30)
+        key_b2 = tl.load(key_boundaries_ptr + 2)
 
-    x_0 = x_0 * largest[:, None]
-    x_1 = x_1 * largest[:, None]
-    x_2 = x_2 * largest[:, None]
-    x_3 = x_3 * largest[:, None]
-    x_4 = x_4 * largest[:, None]
-    x_5 = x_5 * largest[:, None]
-    x_6 = x_6 * largest[:, None]
-    x_7 = x_7 * largest[:, None]
+        key_c2 = tl.load(key_centroids_ptr + 2)
+        key_c3 = tl.load(key_centroids_ptr + 3)
 
-    norm = tl.sqrt(
-        tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1)
-        + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
-    )
-    # A zero row stores norm 0 and reads back as zeros, never NaN.
-    inverse = 1.0 / tl.maximum(norm, 1e-30)
-    key_b2 = tl.load(key_boundaries_ptr + 2)
+        unit = x_0 * inverse[:, None]
+        code_0, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_0 = unit - centroid
+        unit = x_1 * inverse[:, None]
+        code_1, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_1 = unit - centroid
+        unit = x_2 * inverse[:, None]
+        code_2, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_2 = unit - centroid
+        unit = x_3 * inverse[:, None]
+        code_3, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_3 = unit - centroid
+        unit = x_4 * inverse[:, None]
+        code_4, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_4 = unit - centroid
+        unit = x_5 * inverse[:, None]
+        code_5, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_5 = unit - centroid
+        unit = x_6 * inverse[:, None]
+        code_6, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_6 = unit - centroid
+        unit = x_7 * inverse[:, None]
+        code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
+        residual_7 = unit - centroid
+        residual_norm = tl.sqrt(
+            tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
+            + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)
+            + tl.sum(residual_4 * residual_4, axis=1) + tl.sum(residual_5 * residual_5, axis=1)
+            + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
+        )
+        packed_0_0 = (
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
+        )
+        packed_1_0 = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        packed_1_1 = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        tl.store(
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
+            packed_0_0.to(tl.uint8),
+            mask=valid[:, None],
+        )
+        # Only the sign of S r is kept, so the row is scaled to a largest magnitude of 1, where its fp16 halves keep
+        # about 22 bits (_project_halves, on half the operand registers of tf32x3 dots).
+        residual = _concat(
+            _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
+            _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
+        )
+        residual = residual / tl.maximum(tl.max(tl.abs(residual), axis=1), 1e-30)[:, None]
+        residual_hi, residual_lo = _halves(residual)
+        if KEY_QJL_WIDE:
+            positive = (_project_halves(residual_hi, residual_lo, key_qjl_high, key_qjl_low) >= 0).to(tl.int32)
+            packed_1_0 |= _chunk_bits(positive, key_sign_0, 8)
+            packed_1_1 |= _chunk_bits(positive, key_sign_1, 8)
+        else:
+            key_dim = tl.arange(0, HEAD_DIM)
+            high = tl.load(key_qjl_halves_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
+            low = tl.load(key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
+            packed_1_0 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 1
+            high = tl.load(key_qjl_halves_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_1 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 1
+            high = tl.load(key_qjl_halves_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_0 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 3
+            high = tl.load(key_qjl_halves_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_1 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 3
+            high = tl.load(key_qjl_halves_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_0 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 5
+            high = tl.load(key_qjl_halves_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_1 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 5
+            high = tl.load(key_qjl_halves_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_0 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 7
+            high = tl.load(key_qjl_halves_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
+            low = tl.load(
+                key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM
+                + key_dim[None, :]
+            )
+            packed_1_1 |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to(tl.int32) << 7
+        tl.store(
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
+            packed_1_0.to(tl.uint8),
+            mask=valid[:, None],
+        )
+        tl.store(
+            key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + KEY_CHUNK + key_chunk[None, :],
+            packed_1_1.to(tl.uint8),
+            mask=valid[:, None],
+        )
 
-    key_c2 = tl.load(key_centroids_ptr + 2)
-    key_c3 = tl.load(key_centroids_ptr + 3)
+        tl.store(key_meta_ptr + row * 2, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
+        tl.store(key_meta_ptr + row * 2 + 1, residual_norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
 
-    unit = x_0 * inverse[:, None]
-    code_0, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_0 = unit - centroid
-    unit = x_1 * inverse[:, None]
-    code_1, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_1 = unit - centroid
-    unit = x_2 * inverse[:, None]
-    code_2, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_2 = unit - centroid
-    unit = x_3 * inverse[:, None]
-    code_3, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_3 = unit - centroid
-    unit = x_4 * inverse[:, None]
-    code_4, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_4 = unit - centroid
-    unit = x_5 * inverse[:, None]
-    code_5, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_5 = unit - centroid
-    unit = x_6 * inverse[:, None]
-    code_6, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_6 = unit - centroid
-    unit = x_7 * inverse[:, None]
-    code_7, centroid = _symmetric_cell_2_signed(unit, key_b2, key_c2, key_c3, FAST_CELL)
-    residual_7 = unit - centroid
-    residual_norm = tl.sqrt(
-        tl.sum(residual_0 * residual_0, axis=1) + tl.sum(residual_1 * residual_1, axis=1)
-        + tl.sum(residual_2 * residual_2, axis=1) + tl.sum(residual_3 * residual_3, axis=1)
-        + tl.sum(residual_4 * residual_4, axis=1) + tl.sum(residual_5 * residual_5, axis=1)
-        + tl.sum(residual_6 * residual_6, axis=1) + tl.sum(residual_7 * residual_7, axis=1)
-    )
-    # The sign of S r, one projected coordinate per position: the row's residual, its chunks side by side, against
-    # KEY_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather than many small ones).
-    # Only the sign is kept, so the row is scaled to a largest magnitude of 1, where its fp16 halves keep about 22
-    # bits (_project_halves, on half the operand registers of tf32x3 dots, which spill here).
-    residual = _concat(
-        _concat(_concat(residual_0, residual_1), _concat(residual_2, residual_3)),
-        _concat(_concat(residual_4, residual_5), _concat(residual_6, residual_7)),
-    )
-    residual = residual / tl.maximum(tl.max(tl.abs(residual), axis=1), 1e-30)[:, None]
-    residual_hi, residual_lo = _halves(residual)
-    key_dim = tl.arange(0, HEAD_DIM)
-    qjl = tl.load(key_qjl_ptr + key_chunk[:, None] * HEAD_DIM + key_dim[None, :])
-    code_0 = code_0 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_1 = code_1 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (2 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_2 = code_2 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (3 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_3 = code_3 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (4 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_4 = code_4 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (5 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_5 = code_5 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (6 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_6 = code_6 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    qjl = tl.load(key_qjl_ptr + (7 * KEY_CHUNK + key_chunk[:, None]) * HEAD_DIM + key_dim[None, :])
-    code_7 = code_7 | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) << 2)
-    packed = (
-        code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4 | (code_5 & 1) << 5
-        | (code_6 & 1) << 6 | (code_7 & 1) << 7
-    )
-    tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + key_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
-    packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
-    tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + key_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
-    packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
-    tl.store(
-        key_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + KEY_CHUNK + key_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
+        # value
+        value_input_0 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_1 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_2 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_3 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_4 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_5 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_6 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        value_input_7 = tl.load(
+            value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK
+            + value_chunk[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
 
-    tl.store(key_meta_ptr + row * 2, norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
-    tl.store(key_meta_ptr + row * 2 + 1, residual_norm.to(key_meta_ptr.dtype.element_ty), mask=valid)
-
-    # value
-    value_input_0 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_1 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_2 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 2 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_3 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 3 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_4 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 4 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_5 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 5 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_6 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 6 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    value_input_7 = tl.load(
-        value_ptr + token[:, None].to(tl.int64) * stride_value_token + head * stride_value_head + 7 * VALUE_CHUNK
-        + value_chunk[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-
-    # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
-    parity = value_chunk[:, None] & value_chunk[None, :]
-    parity = parity ^ (parity >> 4)
-    parity = parity ^ (parity >> 2)
-    parity = parity ^ (parity >> 1)
-    value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
-    if value_ptr.dtype.element_ty == tl.float16:
-        # fp16 rows times +-1 are exact products as they stand: one dot.
-        x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
-        x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_2 = tl.dot(value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_3 = tl.dot(value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_4 = tl.dot(value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_5 = tl.dot(value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_6 = tl.dot(value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        x_7 = tl.dot(value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
-        largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
-    else:
-        # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
-        x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
-        x_1 = value_input_1.to(tl.float32) * tl.load(
-            value_matrix_ptr + VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_2 = value_input_2.to(tl.float32) * tl.load(
-            value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_3 = value_input_3.to(tl.float32) * tl.load(
-            value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_4 = value_input_4.to(tl.float32) * tl.load(
-            value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_5 = value_input_5.to(tl.float32) * tl.load(
-            value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_6 = value_input_6.to(tl.float32) * tl.load(
-            value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        x_7 = value_input_7.to(tl.float32) * tl.load(
-            value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk
-        ).to(tl.float32)[None, :]
-        largest = tl.maximum(
-            tl.max(tl.abs(x_0), axis=1),
-            tl.maximum(
-                tl.max(tl.abs(x_1), axis=1),
+        # Into position order by H_8 (x) H_chunk (pieces/rotate.py): one dot per chunk, then butterflies.
+        parity = value_chunk[:, None] & value_chunk[None, :]
+        parity = parity ^ (parity >> 4)
+        parity = parity ^ (parity >> 2)
+        parity = parity ^ (parity >> 1)
+        value_hadamard = (1 - 2 * (parity & 1)).to(tl.float16)
+        if value_ptr.dtype.element_ty == tl.float16:
+            # fp16 rows times +-1 are exact products as they stand: one dot.
+            x_0 = tl.dot(value_input_0 * tl.load(value_matrix_ptr + value_chunk)[None, :], value_hadamard)
+            x_1 = tl.dot(value_input_1 * tl.load(value_matrix_ptr + VALUE_CHUNK + value_chunk)[None, :], value_hadamard)
+            x_2 = tl.dot(
+                value_input_2 * tl.load(value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            x_3 = tl.dot(
+                value_input_3 * tl.load(value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            x_4 = tl.dot(
+                value_input_4 * tl.load(value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            x_5 = tl.dot(
+                value_input_5 * tl.load(value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            x_6 = tl.dot(
+                value_input_6 * tl.load(value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            x_7 = tl.dot(
+                value_input_7 * tl.load(value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk)[None, :], value_hadamard
+            )
+            largest = tl.full([BLOCK_T], (1.0 / HEAD_DIM ** 0.5), tl.float32)
+        else:
+            # Other dtypes: each row divided by its largest magnitude, then its fp16 halves.
+            x_0 = value_input_0.to(tl.float32) * tl.load(value_matrix_ptr + value_chunk).to(tl.float32)[None, :]
+            x_1 = value_input_1.to(tl.float32) * tl.load(
+                value_matrix_ptr + VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_2 = value_input_2.to(tl.float32) * tl.load(
+                value_matrix_ptr + 2 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_3 = value_input_3.to(tl.float32) * tl.load(
+                value_matrix_ptr + 3 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_4 = value_input_4.to(tl.float32) * tl.load(
+                value_matrix_ptr + 4 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_5 = value_input_5.to(tl.float32) * tl.load(
+                value_matrix_ptr + 5 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_6 = value_input_6.to(tl.float32) * tl.load(
+                value_matrix_ptr + 6 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            x_7 = value_input_7.to(tl.float32) * tl.load(
+                value_matrix_ptr + 7 * VALUE_CHUNK + value_chunk
+            ).to(tl.float32)[None, :]
+            largest = tl.maximum(
+                tl.max(tl.abs(x_0), axis=1),
                 tl.maximum(
-                    tl.max(tl.abs(x_2), axis=1),
+                    tl.max(tl.abs(x_1), axis=1),
                     tl.maximum(
-                        tl.max(tl.abs(x_3), axis=1),
+                        tl.max(tl.abs(x_2), axis=1),
                         tl.maximum(
-                            tl.max(tl.abs(x_4), axis=1),
+                            tl.max(tl.abs(x_3), axis=1),
                             tl.maximum(
-                                tl.max(tl.abs(x_5), axis=1),
-                                tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
+                                tl.max(tl.abs(x_4), axis=1),
+                                tl.maximum(
+                                    tl.max(tl.abs(x_5), axis=1),
+                                    tl.maximum(tl.max(tl.abs(x_6), axis=1), tl.max(tl.abs(x_7), axis=1)),
+                                ),
                             ),
                         ),
                     ),
                 ),
-            ),
+            )
+            spread = 1.0 / tl.maximum(largest, 1e-30)
+            x_0 = _halves_dot(x_0 * spread[:, None], value_hadamard)
+            x_1 = _halves_dot(x_1 * spread[:, None], value_hadamard)
+            x_2 = _halves_dot(x_2 * spread[:, None], value_hadamard)
+            x_3 = _halves_dot(x_3 * spread[:, None], value_hadamard)
+            x_4 = _halves_dot(x_4 * spread[:, None], value_hadamard)
+            x_5 = _halves_dot(x_5 * spread[:, None], value_hadamard)
+            x_6 = _halves_dot(x_6 * spread[:, None], value_hadamard)
+            x_7 = _halves_dot(x_7 * spread[:, None], value_hadamard)
+            largest = largest * (1.0 / HEAD_DIM ** 0.5)
+        twin = x_0 - x_1
+        x_0 = x_0 + x_1
+        x_1 = twin
+        twin = x_2 - x_3
+        x_2 = x_2 + x_3
+        x_3 = twin
+        twin = x_4 - x_5
+        x_4 = x_4 + x_5
+        x_5 = twin
+        twin = x_6 - x_7
+        x_6 = x_6 + x_7
+        x_7 = twin
+        twin = x_0 - x_2
+        x_0 = x_0 + x_2
+        x_2 = twin
+        twin = x_1 - x_3
+        x_1 = x_1 + x_3
+        x_3 = twin
+        twin = x_4 - x_6
+        x_4 = x_4 + x_6
+        x_6 = twin
+        twin = x_5 - x_7
+        x_5 = x_5 + x_7
+        x_7 = twin
+        twin = x_0 - x_4
+        x_0 = x_0 + x_4
+        x_4 = twin
+        twin = x_1 - x_5
+        x_1 = x_1 + x_5
+        x_5 = twin
+        twin = x_2 - x_6
+        x_2 = x_2 + x_6
+        x_6 = twin
+        twin = x_3 - x_7
+        x_3 = x_3 + x_7
+        x_7 = twin
+
+        x_0 = x_0 * largest[:, None]
+        x_1 = x_1 * largest[:, None]
+        x_2 = x_2 * largest[:, None]
+        x_3 = x_3 * largest[:, None]
+        x_4 = x_4 * largest[:, None]
+        x_5 = x_5 * largest[:, None]
+        x_6 = x_6 * largest[:, None]
+        x_7 = x_7 * largest[:, None]
+
+        norm = tl.sqrt(
+            tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1)
+            + tl.sum(x_3 * x_3, axis=1) + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1)
+            + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
         )
-        spread = 1.0 / tl.maximum(largest, 1e-30)
-        x_0 = _halves_dot(x_0 * spread[:, None], value_hadamard)
-        x_1 = _halves_dot(x_1 * spread[:, None], value_hadamard)
-        x_2 = _halves_dot(x_2 * spread[:, None], value_hadamard)
-        x_3 = _halves_dot(x_3 * spread[:, None], value_hadamard)
-        x_4 = _halves_dot(x_4 * spread[:, None], value_hadamard)
-        x_5 = _halves_dot(x_5 * spread[:, None], value_hadamard)
-        x_6 = _halves_dot(x_6 * spread[:, None], value_hadamard)
-        x_7 = _halves_dot(x_7 * spread[:, None], value_hadamard)
-        largest = largest * (1.0 / HEAD_DIM ** 0.5)
-    twin = x_0 - x_1
-    x_0 = x_0 + x_1
-    x_1 = twin
-    twin = x_2 - x_3
-    x_2 = x_2 + x_3
-    x_3 = twin
-    twin = x_4 - x_5
-    x_4 = x_4 + x_5
-    x_5 = twin
-    twin = x_6 - x_7
-    x_6 = x_6 + x_7
-    x_7 = twin
-    twin = x_0 - x_2
-    x_0 = x_0 + x_2
-    x_2 = twin
-    twin = x_1 - x_3
-    x_1 = x_1 + x_3
-    x_3 = twin
-    twin = x_4 - x_6
-    x_4 = x_4 + x_6
-    x_6 = twin
-    twin = x_5 - x_7
-    x_5 = x_5 + x_7
-    x_7 = twin
-    twin = x_0 - x_4
-    x_0 = x_0 + x_4
-    x_4 = twin
-    twin = x_1 - x_5
-    x_1 = x_1 + x_5
-    x_5 = twin
-    twin = x_2 - x_6
-    x_2 = x_2 + x_6
-    x_6 = twin
-    twin = x_3 - x_7
-    x_3 = x_3 + x_7
-    x_7 = twin
+        # A zero row stores norm 0 and reads back as zeros, never NaN.
+        inverse = 1.0 / tl.maximum(norm, 1e-30)
+        value_b4 = tl.load(value_boundaries_ptr + 4)
+        value_b5 = tl.load(value_boundaries_ptr + 5)
+        value_b6 = tl.load(value_boundaries_ptr + 6)
 
-    x_0 = x_0 * largest[:, None]
-    x_1 = x_1 * largest[:, None]
-    x_2 = x_2 * largest[:, None]
-    x_3 = x_3 * largest[:, None]
-    x_4 = x_4 * largest[:, None]
-    x_5 = x_5 * largest[:, None]
-    x_6 = x_6 * largest[:, None]
-    x_7 = x_7 * largest[:, None]
+        unit = x_0 * inverse[:, None]
+        code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_1 * inverse[:, None]
+        code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_2 * inverse[:, None]
+        code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_3 * inverse[:, None]
+        code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_4 * inverse[:, None]
+        code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_5 * inverse[:, None]
+        code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_6 * inverse[:, None]
+        code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        unit = x_7 * inverse[:, None]
+        code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
+        packed = (
+            code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4
+            | (code_5 & 1) << 5 | (code_6 & 1) << 6 | (code_7 & 1) << 7
+        )
+        tl.store(
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
+            packed.to(tl.uint8),
+            mask=valid[:, None],
+        )
+        packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
+        tl.store(
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
+            packed.to(tl.uint8),
+            mask=valid[:, None],
+        )
+        packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
+        tl.store(
+            value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + VALUE_CHUNK + value_chunk[None, :],
+            packed.to(tl.uint8),
+            mask=valid[:, None],
+        )
 
-    norm = tl.sqrt(
-        tl.sum(x_0 * x_0, axis=1) + tl.sum(x_1 * x_1, axis=1) + tl.sum(x_2 * x_2, axis=1) + tl.sum(x_3 * x_3, axis=1)
-        + tl.sum(x_4 * x_4, axis=1) + tl.sum(x_5 * x_5, axis=1) + tl.sum(x_6 * x_6, axis=1) + tl.sum(x_7 * x_7, axis=1)
-    )
-    # A zero row stores norm 0 and reads back as zeros, never NaN.
-    inverse = 1.0 / tl.maximum(norm, 1e-30)
-    value_b4 = tl.load(value_boundaries_ptr + 4)
-    value_b5 = tl.load(value_boundaries_ptr + 5)
-    value_b6 = tl.load(value_boundaries_ptr + 6)
-
-    unit = x_0 * inverse[:, None]
-    code_0 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_1 * inverse[:, None]
-    code_1 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_2 * inverse[:, None]
-    code_2 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_3 * inverse[:, None]
-    code_3 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_4 * inverse[:, None]
-    code_4 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_5 * inverse[:, None]
-    code_5 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_6 * inverse[:, None]
-    code_6 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    unit = x_7 * inverse[:, None]
-    code_7 = _symmetric_cell_4(unit, value_b4, value_b5, value_b6, FAST_CELL)
-    packed = (
-        code_0 & 1 | (code_1 & 1) << 1 | (code_2 & 1) << 2 | (code_3 & 1) << 3 | (code_4 & 1) << 4 | (code_5 & 1) << 5
-        | (code_6 & 1) << 6 | (code_7 & 1) << 7
-    )
-    tl.store(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + value_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
-    packed = (code_0 >> 1) & 3 | ((code_2 >> 1) & 3) << 2 | ((code_4 >> 1) & 3) << 4 | ((code_6 >> 1) & 3) << 6
-    tl.store(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + value_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
-    packed = (code_1 >> 1) & 3 | ((code_3 >> 1) & 3) << 2 | ((code_5 >> 1) & 3) << 4 | ((code_7 >> 1) & 3) << 6
-    tl.store(
-        value_codes_ptr + row[:, None] * (HEAD_DIM * 3 // 8) + HEAD_DIM // 8 + VALUE_CHUNK + value_chunk[None, :],
-        packed.to(tl.uint8),
-        mask=valid[:, None],
-    )
-
-    tl.store(value_meta_ptr + row, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
+        tl.store(value_meta_ptr + row, norm.to(value_meta_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -872,7 +973,7 @@ def _flatten_kernel(
     key_meta_ptr,
     key_matrix_ptr,
     key_centroids_ptr,
-    key_qjl_ptr,
+    key_qjl_halves_ptr,
     value_codes_ptr,
     value_meta_ptr,
     value_matrix_ptr,
@@ -1060,22 +1161,44 @@ def _flatten_kernel(
             _concat(_concat(signs_4, signs_5), _concat(signs_6, signs_7)),
         ).to(tl.float16)
         key_dim = tl.arange(0, HEAD_DIM)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + key_chunk[None, :])
-        tile_0 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :])
-        tile_1 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :])
-        tile_2 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :])
-        tile_3 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :])
-        tile_4 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :])
-        tile_5 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :])
-        tile_6 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
-        qjl = tl.load(key_qjl_ptr + key_dim[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :])
-        tile_7 += key_qjl_row[:, None] * _expand_signs(signs, qjl)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + key_chunk[None, :])
+        low = tl.load(key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + key_chunk[None, :])
+        tile_0 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_1 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 2 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_2 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 3 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_3 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 4 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_4 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 5 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_5 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 6 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_6 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
+        high = tl.load(key_qjl_halves_ptr + key_dim[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :])
+        low = tl.load(
+            key_qjl_halves_ptr + HEAD_DIM * HEAD_DIM + key_dim[:, None] * HEAD_DIM + 7 * KEY_CHUNK + key_chunk[None, :]
+        )
+        tile_7 += key_qjl_row[:, None] * _expand_signs(signs, high, low)
         if ROTATED:
             tile_0 = tile_0.to(tl.float32)
             tile_1 = tile_1.to(tl.float32)
@@ -2137,6 +2260,8 @@ def _tables(head_dim: int, device: torch.device) -> dict:
     tables["key_lut"] = _lut_words(centroids).to(device)
     qjl = torch.tensor(gaussian_matrix(d, d, 7), dtype=torch.float64)
     tables["key_qjl"] = qjl[order][:, order].to(device, torch.float32).contiguous()
+    high = tables["key_qjl"].to(torch.float16)
+    tables["key_qjl_halves"] = torch.stack([high, (tables["key_qjl"] - high.float()).to(torch.float16)])
 
     # value
     order = torch.arange(d)
@@ -2510,7 +2635,15 @@ def fill(
     if num_tokens == 0:
         return
     tables = _tables(cache.head_dim, cache.device)
-    shares = _cdiv(num_tokens, _FILL_BLOCK_T)  # a KV head's programs
+    # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
+    num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
+    per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
+    stages = _LOOP_STAGES.get(cache.head_dim, 3)
+    # A loop of one stage prefetches nothing: there each program takes one tile.
+    tiles = 1 if stages == 1 else _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
+    shares = _cdiv(num_tiles, tiles)  # a KV head's programs
+    if key.dtype != torch.float16 or value.dtype != torch.float16:  # rows split into fp16 halves, either side's
+        stages = min(stages, _SPLIT_INPUT_STAGES.get(cache.head_dim, stages))
     heads_fastest = _heads_fastest(cache)
     grid = (shares * cache.num_kv_heads,) if heads_fastest else (shares, cache.num_kv_heads)
     _launch(
@@ -2523,7 +2656,7 @@ def fill(
         tables["key_matrix"],
         tables["key_centroids"],
         tables["key_boundaries"],
-        tables["key_qjl"],
+        tables["key_qjl_halves"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],
@@ -2534,6 +2667,7 @@ def fill(
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        tiles,
         NUM_KV_HEADS=cache.num_kv_heads,
         BLOCK_SIZE=cache.block_size,
         **_row_strides(cache),
@@ -2541,6 +2675,12 @@ def fill(
         HEAD_DIM=cache.head_dim,
         BLOCK_T=_FILL_BLOCK_T,
         FAST_CELL=_COMPILED_CUDA,
+        # Several tiles a program: 2 stages, which fill faster than 3 on an H100, and the register cap. One tile (a
+        # decode step's few tokens): Triton's 3, as without the loop. Fewer where _LOOP_STAGES or, for bf16 and fp32
+        # inputs, _SPLIT_INPUT_STAGES say; the warps _FILL_WARPS gives (measured on the loop) for both.
+        **({"num_stages": min(2, stages), "maxnreg": _FILL_MAX_REGISTERS.get(cache.head_dim)} if tiles > 1
+           else {"num_stages": stages}),
+        num_warps=_FILL_WARPS.get(cache.head_dim, 4),
     )
 
 
@@ -2634,7 +2774,7 @@ def flatten(
         cache.key_meta,
         tables["key_matrix"],
         tables["key_centroids"],
-        tables["key_qjl"],
+        tables["key_qjl_halves"],
         cache.value_codes,
         cache.value_meta,
         tables["value_matrix"],

@@ -218,6 +218,16 @@ def test_other_branches_match_reference(path, c):
     test_kernels_match_reference.hypothesis.inner_test(path, c)
 
 
+def test_qjl_fill_by_chunk_matches_reference():
+    # Above head_dim 128 fill projects the QJL residual a chunk of positions at a time (S's halves would pass the
+    # shared memory), a branch the cases above reach only when deep: one case at 256, fill and flatten.
+    case = make_case("turbo_qjl_k3v3", 256, 16, 2, [37, 5], torch.float16, 3)
+    before = snapshot(case.cache)
+    case.module.fill(case.cache, case.key, case.value, case.slot_mapping)
+    check_fill(case, before)
+    check_flatten(case)
+
+
 @pytest.mark.parametrize("name", ["int4_token", "turbo_k4v2", str(ROOT / "tests" / "schemes" / "split_qjl_rms.yaml")],
                          ids=["int4_token", "turbo_k4v2", "split_qjl_rms"])
 def test_lazy_rescale_matches_eager(name, monkeypatch):

@@ -200,6 +200,48 @@ class SideLayout:
     def qjl_seed(self) -> int:
         return self.scheme.residual.seed
 
+    # The widest part whose S a QJL fill keeps for every tile, both fp16 halves in shared memory (4 d^2 bytes): at
+    # 128, 64 KiB, and a program takes 100 KiB with its tiles' buffers (sm_90), so two reside per SM.
+    QJL_WIDE_WIDTH = 128
+
+    @property
+    def qjl_wide_dims(self) -> tuple[int, ...]:
+        """The head_dims where fill projects a QJL residual in one product per half of S, S r for the whole row
+        (N = the padded width) against S's halves loaded before the tile loop: up to QJL_WIDE_WIDTH.
+        Elsewhere one product per chunk of positions, on S's rows for it, loaded per tile."""
+        return tuple(d for d in self.head_dims if self.padded_width(d) <= self.QJL_WIDE_WIDTH)
+
+    def padded_width(self, head_dim: int) -> int:
+        """This part's width in position space at head_dim: its channels padded to a power of two."""
+        return 1 << (self.part_dim(head_dim) - 1).bit_length()
+
+    @property
+    def sign_plane(self) -> tuple[int, Plane]:
+        """The plane (index, plane) holding the residual's bit, the code's bit level_bits."""
+        return next((i, plane) for i, plane in enumerate(self.planes)
+                    if plane.shift <= self.level_bits < plane.shift + plane.width)
+
+    def sign_place(self, c: int) -> tuple[int, int, int]:
+        """Where chunk c's residual bit is packed: (plane index, byte range, bit in the byte)."""
+        i, plane = self.sign_plane
+        ranges = self.ranges(plane)
+        return i, c % ranges, c // ranges * plane.width + self.level_bits - plane.shift
+
+    def sign_weights(self, chunk_of: str) -> tuple[tuple[int, str], ...]:
+        """(byte range, the residual bit's value in it for a position of chunk `chunk_of`) per byte range of the
+        sign plane: chunk c's bit where c % ranges is the range, 0 elsewhere."""
+        _, plane = self.sign_plane
+        ranges, offset = self.ranges(plane), self.level_bits - plane.shift
+        if ranges == 1:
+            field = f"{chunk_of} * {plane.width}" if plane.width > 1 else chunk_of
+            return ((0, f"1 << ({field} + {offset})" if offset else f"1 << {field}"),)
+        out = []
+        for r in range(ranges):
+            field = f"{chunk_of} // {ranges}" + (f" * {plane.width}" if plane.width > 1 else "")
+            bit = f"1 << ({field} + {offset})" if offset else f"1 << ({field})"
+            out.append((r, f"tl.where({chunk_of} % {ranges} == {r}, {bit}, 0)"))
+        return tuple(out)
+
     @property
     def scale_kind(self) -> str:
         """"norm" (per-token L2 norm), "absmax" (symmetric scale) or "minmax" (scale and zero)."""
@@ -409,15 +451,16 @@ class SideLayout:
     @property
     def fill_tables(self) -> tuple[str, ...]:
         """The tables fill reads: all but decode's entries and the centroids, which it reads where it carries one
-        (with_centroid)."""
-        return tuple(table for table in self.tables
+        (with_centroid); S as its fp16 halves."""
+        return tuple("qjl_halves" if table == "qjl" else table for table in self.tables
                      if table != "entries" and (table != "centroids" or self.with_centroid))
 
     @property
     def flatten_tables(self) -> tuple[str, ...]:
-        """The tables flatten reads: the rotation back, the centroids and S (never the boundaries, nor decode's
-        entries)."""
-        return tuple(table for table in self.tables if table not in ("boundaries", "entries"))
+        """The tables flatten reads: the rotation back, the centroids and S's fp16 halves (never the boundaries, nor
+        decode's entries)."""
+        return tuple("qjl_halves" if table == "qjl" else table for table in self.tables
+                     if table not in ("boundaries", "entries"))
 
     # What fill's and flatten's dense matrix loops (IN_BLOCK columns `k + dim` at a time) substitute.
     @property
@@ -1466,7 +1509,8 @@ class Layout:
         """The Triton helpers (runtime/helpers.py) the module's kernels call."""
         needed = {"_mm": True, "_halves": self.splits_halves, "_halves_dot": self.rotates_in_blocks,
                   "_walsh_hadamard": self.kernel_rotates, "_project_qjl": self.projects_qjl,
-                  "_project_halves": self.builds_qjl, "_expand_signs": self.builds_qjl, "_concat": self.joins_chunks,
+                  "_project_halves": self.builds_qjl, "_chunk_bits": self.projects_wide,
+                  "_expand_signs": self.builds_qjl, "_concat": self.joins_chunks,
                   "_fp8_code": bool(self.key.fp8 or self.value.fp8)}
         return tuple(name for name, wanted in needed.items() if wanted)
 
@@ -1500,10 +1544,9 @@ class Layout:
     def fill_loops(self) -> bool:
         """Fill programs loop over several token tiles, so Triton prefetches the next tile's rows while this one is
         rotated and quantized: where some side rotates in Hadamard blocks. The elementwise fills and the dense
-        matrix ones keep one tile a program, which is as fast for them. A QJL residual's projection does not loop
-        either: pipelining its tiles takes a 4-warp program's shared memory (115.7 KiB at head_dim 128, one program
-        an SM), one tile a program 16.9 KiB."""
-        return self.rotates_in_blocks and not any(side.qjl for side in self.sides)
+        matrix ones keep one tile a program, which is as fast for them. A QJL side's S is loaded before the loop
+        where it fits (SideLayout.qjl_wide_dims), else per tile without pipelining (loop_stages)."""
+        return self.rotates_in_blocks
 
     @property
     def rotates_query(self) -> bool:
@@ -1535,19 +1578,29 @@ class Layout:
         """Pipeline stages of fill's tile loop, per head_dim where Triton's own (3, or a looping fill's 2) would not
         fit (flatten's takes one stage): the pipeliner gives every stage past the first a copy of each load in the
         loop, and the matrices are loaded there a block at a time, though they are the same on every tile. A dense
-        rotation is fp16 (+-1 entries), as wide as the part's positions (a QJL side's fill does not loop). Where
-        the tiles of bf16 and fp32 inputs pass an SM, `fill_stages_split_inputs` in templates/decode_tuning.json says
-        so per scheme."""
+        rotation is fp16 (+-1 entries), as wide as the part's positions; where a QJL side loads S's rows per tile,
+        one stage. Where the tiles of bf16 and fp32 inputs pass an SM, `fill_stages_split_inputs` in
+        templates/decode_tuning.json says so per scheme."""
         stages = {}
         for d in self.head_dims if self.fill_loops else ():
+            if any(side.qjl and d not in side.qjl_wide_dims for side in self.sides):
+                stages[d] = 1  # each stage would copy S's rows for every chunk, loaded in the loop
+                continue
             copy = 0
             for part in self.sides:
-                width = 1 << (part.part_dim(d) - 1).bit_length()
+                width = part.padded_width(d)
                 copy += 2 * part.dense_matrix * width * width
             fit = 1 + self.PIPELINE_SHARED // copy if copy else 3
             if fit < 3:
                 stages[d] = fit
         return stages
+
+    @property
+    def fill_single_tiles(self) -> bool:
+        """Some head_dim's fill loop takes one stage (loop_stages), where a program takes one tile: a loop that
+        prefetches nothing only makes fewer, longer programs (turbo_qjl_k3v3 at head_dim 256, H200: 2.97 ms for
+        8 x 8192 tokens on one stage against 3.24 looping, on 4 warps)."""
+        return 1 in self.loop_stages.values()
 
     @property
     def joins_chunks(self) -> bool:
@@ -1596,6 +1649,12 @@ class Layout:
     def builds_paley(self) -> bool:
         """`_hadamard` takes Paley's matrices (`_PALEY`): it is built for a width that is not a power of two."""
         return self.paley and self.builds_hadamard
+
+    @property
+    def projects_wide(self) -> bool:
+        """Some side's fill projects its QJL residual in one product for the whole row at some head_dim
+        (SideLayout.qjl_wide_dims), whose sign bits `_chunk_bits` gathers per chunk."""
+        return any(side.qjl and side.qjl_wide_dims for side in self.sides)
 
     @property
     def builds_qjl(self) -> bool:

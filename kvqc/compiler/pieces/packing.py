@@ -7,7 +7,7 @@ chunk_packing); the lines are written here and placed by the fill, flatten and d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from kvqc.compiler.layout import Layout, SideLayout
@@ -49,6 +49,18 @@ def pack_and_store(side: SideLayout, valid: str) -> str:
     return "".join(f"{BODY}packed = {packed}\n"
                    f"{BODY}tl.store({plane_ptr(side, p, r)}, packed.to(tl.uint8), mask={column_mask(side, valid)})\n"
                    for p, r, packed in side.packed)
+
+
+def packed_codes(side: SideLayout) -> str:
+    """`packed_<plane>_<range>`: every byte range packed from the chunks' codes, for a residual stage to or its bits
+    into before storing them (store_packed)."""
+    return "".join(f"{BODY}packed_{p}_{r} = {packed}\n" for p, r, packed in side.packed)
+
+
+def store_packed(side: SideLayout, valid: str, planes: Callable[[int], bool]) -> str:
+    """The byte ranges `packed_<plane>_<range>` of the planes `planes` takes, stored."""
+    return "".join(f"{BODY}tl.store({plane_ptr(side, p, r)}, packed_{p}_{r}.to(tl.uint8), "
+                   f"mask={column_mask(side, valid)})\n" for p, r, _ in side.packed if planes(p))
 
 
 def pack_chunk(side: SideLayout, c: int, valid: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvqc.compiler.pieces import codecs, packing, rotate
+from kvqc.compiler.pieces.codecs import residuals
 from kvqc.compiler.pieces.packing import BODY
 
 if TYPE_CHECKING:
@@ -19,8 +20,15 @@ def rows(side: SideLayout, valid: str) -> str:
     stores = "".join(f"{BODY}tl.store({side.name}_meta_ptr + row * {len(side.metadata)} + {i}, "
                      f"{field}.to({side.name}_meta_ptr.dtype.element_ty), mask={valid})\n"
                      for i, field in enumerate(side.row_metadata))
-    return (load_chunks(side, valid) + "\n" + codecs.of(side).encode(side, valid)
-            + packing.pack_and_store(side, valid) + "\n" + stores)
+    residual = residuals.of(side)
+    packed = "" if residual and residual.packs else packing.pack_and_store(side, valid)  # else the residual stores
+    return load_chunks(side, valid) + "\n" + codecs.of(side).encode(side, valid) + packed + "\n" + stores
+
+
+def before_tiles(side: SideLayout) -> str:
+    """What fill loads once per program, before its tile loop, for this side: a wide QJL projection's S."""
+    residual = residuals.of(side)
+    return residual.before_tiles(side) if residual else ""
 
 
 def load_chunks(side: SideLayout, valid: str) -> str:

@@ -71,10 +71,16 @@ def _codebook(side: SideLayout) -> list[str]:
 
 
 def _qjl(side: SideLayout) -> list[str]:
-    """`<side>_qjl`, the d x d Gaussian projection from its seed, rows and columns in position order."""
+    """`<side>_qjl`, the d x d Gaussian projection from its seed, rows and columns in position order, and
+    `<side>_qjl_halves` [2, d, d], its fp16 high and low halves for fill's products."""
+    name = side.name
     lines = [f"qjl = torch.tensor(gaussian_matrix(d, d, {side.qjl_seed}), dtype=torch.float64)"]
     if side.padded:
-        return lines + ["padded = torch.zeros(_pow2(d), _pow2(d), dtype=torch.float64)",
-                        "padded[positions[:, None], positions[None, :]] = qjl[order][:, order]",
-                        f'tables["{side.name}_qjl"] = padded.to(device, torch.float32).contiguous()']
-    return lines + [f'tables["{side.name}_qjl"] = qjl[order][:, order].to(device, torch.float32).contiguous()']
+        lines += ["padded = torch.zeros(_pow2(d), _pow2(d), dtype=torch.float64)",
+                  "padded[positions[:, None], positions[None, :]] = qjl[order][:, order]",
+                  f'tables["{name}_qjl"] = padded.to(device, torch.float32).contiguous()']
+    else:
+        lines.append(f'tables["{name}_qjl"] = qjl[order][:, order].to(device, torch.float32).contiguous()')
+    return lines + [f'high = tables["{name}_qjl"].to(torch.float16)',
+                    f'tables["{name}_qjl_halves"] = torch.stack([high, (tables["{name}_qjl"] - high.float()).to('
+                    'torch.float16)])']

@@ -77,19 +77,28 @@ def _project_qjl(x, qjl_ptr, out_ptr, row, real, WIDTH: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _project_halves(hi, lo, matrix):
-    """(hi + lo) @ matrix^T for the fp16 halves of a float32 tile and a float32 matrix: three fp16 dots with float32
-    accumulation (hi and lo against the matrix's high half, hi against its low half): about 22 bits relative to each
-    operand's largest magnitude, as tf32x3's three dots keep, in half their operand registers."""
-    high, low = _halves(matrix)
+def _project_halves(hi, lo, high, low):
+    """(hi + lo) @ (high + low)^T for the fp16 halves of a float32 tile and of a float32 matrix (S's, made once in
+    `_tables`): three fp16 dots with float32 accumulation (hi and lo against the high half, hi against the low
+    half), about 22 bits relative to each operand's largest magnitude, as tf32x3's three dots keep, in half their
+    operand registers."""
     return tl.dot(hi, tl.trans(low), tl.dot(lo, tl.trans(high), tl.dot(hi, tl.trans(high))))
 
 
 @triton.jit
-def _expand_signs(signs, matrix):
-    """signs @ matrix for +-1 signs in fp16 and a float32 matrix: two fp16 dots on the matrix's halves, whose
-    products with +-1 are exact, with float32 accumulation."""
-    high, low = _halves(matrix)
+def _chunk_bits(positive, weight, CHUNKS: tl.constexpr):
+    """[rows, width // CHUNKS] from 0/1 positive [rows, width] whose column i * CHUNKS + c is chunk c's position
+    i: each chunk's bit times its weight (its place in a packed byte, or 0), summed over the chunks, which or's
+    them, the bits being disjoint."""
+    ROWS: tl.constexpr = positive.shape[0]
+    WIDTH: tl.constexpr = positive.shape[1]
+    return tl.sum(tl.reshape(positive * weight[None, :], [ROWS, WIDTH // CHUNKS, CHUNKS]), axis=2)
+
+
+@triton.jit
+def _expand_signs(signs, high, low):
+    """signs @ (high + low) for +-1 signs in fp16 and the fp16 halves of a float32 matrix (S's, made once in
+    `_tables`): two fp16 dots, whose products with +-1 are exact, with float32 accumulation."""
     return tl.dot(signs, low, tl.dot(signs, high))
 
 

@@ -68,7 +68,7 @@ class LloydMax:
                 if residual:
                     out += residual.align(side, c)
         if residual:
-            out += residual.finish(side) + (residual.unbias(side) if side.unbiased else "")
+            out += residual.finish(side, valid) + (residual.unbias(side) if side.unbiased else "")
         if side.unbiased:
             out += (f"{BODY}# DRIVE/EDEN: |y| / <u, u_hat> makes <y, y_hat> = |y|^2, so <q, y_hat> is unbiased over "
                     "the rotation.\n"

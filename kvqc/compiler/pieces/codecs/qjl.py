@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from kvqc.compiler.pieces.codecs.sign import residual_of
+from kvqc.compiler.pieces import packing
 from kvqc.compiler.pieces.packing import BODY
 
 if TYPE_CHECKING:
@@ -25,26 +26,78 @@ class Qjl:
     def square(self, side: SideLayout, c: int) -> str:
         return ""  # finish projects the whole row's residual at once
 
-    def finish(self, side: SideLayout) -> str:
-        """|r|; and the sign of S r, one projected coordinate per position, above the index bits."""
-        name, pad = side.name, side.head_pad
+    packs = True  # finish packs and stores the codes
+
+    def finish(self, side: SideLayout, valid: str) -> str:
+        """|r|; the indices packed, and stored where no sign goes; then the sign of S r, one projected coordinate
+        per position, or'ed into its plane's bytes above them, and those stored. Packing first keeps one int32 tile
+        per byte range live through the products rather than every chunk's codes."""
+        name = side.name
+        sign_plane, _ = side.sign_plane
         out = (f"{BODY}residual_norm = tl.sqrt({side.sum_squares('residual')})\n"
-               f"{BODY}# The sign of S r, one projected coordinate per position: the row's residual, its chunks side "
-               "by side, against\n"
-               f"{BODY}# {name.upper()}_CHUNK rows of S a dot (one operand for every dot, few and deep dots rather "
-               "than many small ones).\n"
-               f"{BODY}# Only the sign is kept, so the row is scaled to a largest magnitude of 1, where its fp16 "
-               "halves keep about 22\n"
-               f"{BODY}# bits (_project_halves, on half the operand registers of tf32x3 dots, which spill here).\n"
+               + packing.packed_codes(side) + packing.store_packed(side, valid, lambda p: p != sign_plane) +
+               f"{BODY}# Only the sign of S r is kept, so the row is scaled to a largest magnitude of 1, where its "
+               "fp16 halves keep\n"
+               f"{BODY}# about 22 bits (_project_halves, on half the operand registers of tf32x3 dots).\n"
                f"{BODY}residual = {side.joined('residual')}\n"
                f"{BODY}residual = residual / tl.maximum(tl.max(tl.abs(residual), axis=1), 1e-30)[:, None]\n"
-               f"{BODY}residual_hi, residual_lo = _halves(residual)\n"
-               f"{BODY}{name}_dim = tl.arange(0, {pad})\n")
+               f"{BODY}residual_hi, residual_lo = _halves(residual)\n")
+        wide, by_chunk = self._wide(side), self._by_chunk(side)
+        if set(side.qjl_wide_dims) == set(side.head_dims):
+            out += wide
+        elif not side.qjl_wide_dims:
+            out += by_chunk
+        else:
+            out += (f"{BODY}if {name.upper()}_QJL_WIDE:\n" + packing.indented(wide).rstrip(" ")
+                    + f"{BODY}else:\n" + packing.indented(by_chunk).rstrip(" "))
+        return out + packing.store_packed(side, valid, lambda p: p == sign_plane)
+
+    def before_tiles(self, side: SideLayout) -> str:
+        """Fill's lines before its tile loop, where some head_dim projects the whole row at once (qjl_wide_dims):
+        S's fp16 halves with their rows in the order that puts chunk c's position i at column i * chunks + c of
+        S r, and each byte range's weights for the sign bits there (SideLayout.sign_weights)."""
+        if not side.qjl_wide_dims:
+            return ""
+        name, pad, chunks = side.name, side.head_pad, side.chunks
+        lines = [f"{name}_dim = tl.arange(0, {pad})",
+                 f"{name}_chunk_of = {name}_dim % {chunks}",
+                 f"{name}_s_row = {name}_chunk_of * {side.chunk_pad} + {name}_dim // {chunks}",
+                 f"{name}_qjl_high = tl.load({name}_qjl_halves_ptr + {name}_s_row[:, None] * {pad} + "
+                 f"{name}_dim[None, :])",
+                 f"{name}_qjl_low = tl.load({name}_qjl_halves_ptr + {pad} * {pad} + {name}_s_row[:, None] * {pad} + "
+                 f"{name}_dim[None, :])"]
+        lines += [f"{name}_sign_{r} = {weight}" for r, weight in side.sign_weights(f"{name}_chunk_of")]
+        out = (f"{BODY}# S's fp16 halves, loaded once for every tile: S r for a whole row is one product per half, "
+               "its column\n"
+               f"{BODY}# i * {chunks} + c chunk c's position i.\n")
+        if set(side.qjl_wide_dims) == set(side.head_dims):
+            return out + "".join(f"{BODY}{line}\n" for line in lines)
+        wide = " ".join(map(str, side.qjl_wide_dims))
+        return (out + f"{BODY}{name.upper()}_QJL_WIDE: tl.constexpr = {pad} <= {side.QJL_WIDE_WIDTH}  # head_dim "
+                f"{wide}; wider halves pass the shared memory\n"
+                f"{BODY}if {name.upper()}_QJL_WIDE:\n" + "".join(f"{BODY}    {line}\n" for line in lines))
+
+    def _wide(self, side: SideLayout) -> str:
+        name = side.name
+        plane, _ = side.sign_plane
+        out = (f"{BODY}positive = (_project_halves(residual_hi, residual_lo, {name}_qjl_high, {name}_qjl_low) >= 0)"
+               ".to(tl.int32)\n")
+        return out + "".join(f"{BODY}packed_{plane}_{r} |= _chunk_bits(positive, {name}_sign_{r}, {side.chunks})\n"
+                             for r, _ in side.sign_weights(f"{name}_chunk_of"))
+
+    def _by_chunk(self, side: SideLayout) -> str:
+        """S r a chunk of positions at a time: S's rows for the chunk against the whole row (one operand for every
+        product, few and deep products rather than many small ones)."""
+        name, pad = side.name, side.head_pad
+        out = f"{BODY}{name}_dim = tl.arange(0, {pad})\n"
         for c in range(side.chunks):
-            out += (f"{BODY}qjl = tl.load({name}_qjl_ptr + ({c} * {side.chunk_pad} + {name}_chunk[:, None]) * {pad} + "
-                    f"{name}_dim[None, :])\n"
-                    f"{BODY}code_{c} = code_{c} | ((_project_halves(residual_hi, residual_lo, qjl) >= 0).to(tl.int32) "
-                    f"<< {side.level_bits})\n")
+            first = f"{c} * {side.chunk_pad} + " if c else ""
+            rows = (f"({first}{name}_chunk[:, None]) * {pad}" if c else f"{name}_chunk[:, None] * {pad}")
+            plane, r, bit = side.sign_place(c)
+            out += (f"{BODY}high = tl.load({name}_qjl_halves_ptr + {rows} + {name}_dim[None, :])\n"
+                    f"{BODY}low = tl.load({name}_qjl_halves_ptr + {pad} * {pad} + {rows} + {name}_dim[None, :])\n"
+                    f"{BODY}packed_{plane}_{r} |= (_project_halves(residual_hi, residual_lo, high, low) >= 0).to("
+                    f"tl.int32) << {bit}\n")
         return out
 
     def tile(self, side: SideLayout) -> str:
@@ -61,11 +114,12 @@ class Qjl:
 
     def correct(self, side: SideLayout) -> str:
         """Flatten: `tile_<c>` += qjl_row * (S^T signs) over chunk c: every chunk's `signs_<j>` side by side against
-        S's columns for chunk c, one dot of depth head_dim a chunk."""
+        S's columns for chunk c (their fp16 halves), one dot of depth head_dim a chunk."""
         name, pad = side.name, side.head_pad
         out = f"{BODY}signs = ({side.joined('signs')}).to(tl.float16)\n{BODY}{name}_dim = tl.arange(0, {pad})\n"
         for c in range(side.chunks):
-            out += (f"{BODY}qjl = tl.load({name}_qjl_ptr + {name}_dim[:, None] * {pad} + {c} * {side.chunk_pad} + "
-                    f"{name}_chunk[None, :])\n"
-                    f"{BODY}tile_{c} += {name}_qjl_row[:, None] * _expand_signs(signs, qjl)\n")
+            columns = f"{name}_dim[:, None] * {pad} + {c} * {side.chunk_pad} + {name}_chunk[None, :]"
+            out += (f"{BODY}high = tl.load({name}_qjl_halves_ptr + {columns})\n"
+                    f"{BODY}low = tl.load({name}_qjl_halves_ptr + {pad} * {pad} + {columns})\n"
+                    f"{BODY}tile_{c} += {name}_qjl_row[:, None] * _expand_signs(signs, high, low)\n")
         return out

@@ -60,10 +60,10 @@ def group_scale(side: SideLayout, grid: Grid, low: str, high: str, magnitude: st
 def scaled_codes(side: SideLayout, valid: str, grid: Grid) -> str:
     """Fill: `code_<c>` for every chunk, and the scales: per row (stored by the caller), or per group (stored
     here)."""
-    return spanning_groups(side, valid, grid) + "\n" if side.group_size else row_codes(side, grid)
+    return spanning_groups(side, valid, grid) + "\n" if side.group_size else row_codes(side, grid, valid)
 
 
-def row_codes(side: SideLayout, grid: Grid) -> str:
+def row_codes(side: SideLayout, grid: Grid, valid: str) -> str:
     """One scale (and zero) per row, from every chunk; then each chunk's codes and any residual stage's bit. Only
     uniform grids have a residual stage, so its reconstruction is the uniform level times the scale."""
     residual = residuals.of(side)
@@ -83,7 +83,7 @@ def row_codes(side: SideLayout, grid: Grid) -> str:
         out += grid.code(side, f"code_{c}", side.scaled(f"x_{c}", "[:, None]")) + "\n"
         if residual:
             out += residual.take(side, c, side.grid_residual(c)) + residual.square(side, c)
-    return out + (residual.finish(side) if residual else "")
+    return out + (residual.finish(side, valid) if residual else "")
 
 
 def _store_group_fields(side: SideLayout, offsets: list[str], valid: str) -> str:

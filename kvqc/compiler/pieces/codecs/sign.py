@@ -33,7 +33,12 @@ class Sign:
         """The row's sum of squared residuals, chunk c's added."""
         return f"{BODY}residual_square {'=' if c == 0 else '+='} tl.sum(residual_{c} * residual_{c}, axis=1)\n"
 
-    def finish(self, side: SideLayout) -> str:
+    packs = False  # the caller packs and stores the codes
+
+    def before_tiles(self, side: SideLayout) -> str:
+        return ""
+
+    def finish(self, side: SideLayout, valid: str) -> str:
         return f"{BODY}residual_rms = tl.sqrt(residual_square / {side.dim})\n"
 
     def align(self, side: SideLayout, c: int) -> str:

@@ -202,6 +202,13 @@ def _explain(args: argparse.Namespace) -> int:
     for side in layout.per_channel:
         print(f"           {side.name}: when a token completes a group of {side.token_group}, quantize the group "
               "from this call's tokens and the ring")
+    for side in layout.sides:
+        if side.qjl:
+            how = ("the whole row's S r in one product per half of S, which each program loads once"
+                   if d in side.qjl_wide_dims else
+                   f"S r a chunk of positions at a time, S's rows loaded per tile (wider than "
+                   f"{side.QJL_WIDE_WIDTH}), one tile a program")
+            print(f"           {side.name}'s QJL signs: {how}")
     print("  flatten  dequantize each sequence's tokens into contiguous [sum(seq_lens), H, d] K and V")
     print("  decode   attention of one query token per sequence over the packed codes (split-K, GQA);")
     turned = [what for what, parts in (("the query is rotated once", layout.key_parts),

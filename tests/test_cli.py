@@ -814,6 +814,15 @@ def test_explain_says_why_a_side_decodes_on_the_portable_path(capsys):
     assert "merge: _merge_parts_kernel, a launch of its own" in out
 
 
+def test_explain_says_how_fill_projects_a_qjl_residual(capsys):
+    """Up to a padded width of 128 fill projects the whole row against S loaded once a program; wider, a chunk of
+    positions at a time (SideLayout.qjl_wide_dims)."""
+    assert main(["explain", str(SCHEME_DIR / "turbo_qjl_k3v3.yaml"), "--head-dim", "128"]) == 0
+    assert "key's QJL signs: the whole row's S r in one product per half of S" in capsys.readouterr().out
+    assert main(["explain", str(SCHEME_DIR / "turbo_qjl_k3v3.yaml"), "--head-dim", "256"]) == 0
+    assert "key's QJL signs: S r a chunk of positions at a time" in capsys.readouterr().out
+
+
 def test_explain_says_how_a_qjl_key_decodes(capsys):
     """A QJL key names its PTX helper (index and sign bits from both planes, the sign tile for the projected query's
     dot) and the kernel that rotates and projects the query, so a plan replays its launches."""

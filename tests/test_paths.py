@@ -66,6 +66,41 @@ def test_fill_takes_the_cell_search_its_plan_promises(name):
     assert ("FAST_CELL)" in source or "FAST_CELL,\n" in source) == layout.any_fast_cell
 
 
+QJL_SCHEMES = [name for name in ALL_SCHEMES + TEST_SCHEMES
+               if any(side.qjl for side in plan(load_scheme(scheme_file(name))).sides)]
+
+
+@pytest.mark.parametrize("name", QJL_SCHEMES, ids=lambda n: n.rsplit("/", 1)[-1].removesuffix(".yaml"))
+def test_fill_projects_a_qjl_residual_as_its_plan_promises(name):
+    """Fill reads S's fp16 halves, never the float32 S, and projects as SideLayout.qjl_wide_dims says (`kvqc explain`
+    says it too): where some head_dim is wide, S's halves are loaded once, before the tile loop, and each byte range
+    of the sign plane takes its bits from the whole row's product (`_chunk_bits`); where some head_dim is not, one
+    product a chunk, and a looping fill takes one stage there (one tile a program)."""
+    m = generated(name)
+    layout = plan(load_scheme(scheme_file(name)))
+    source = inspect.getsource(m._fill_kernel.fn)
+    loop = source.find("for i in range(tiles):")
+    assert (loop >= 0) == layout.fill_loops
+    for side in layout.sides:
+        if not side.qjl:
+            continue
+        assert f"{side.name}_qjl_ptr" not in source and f"{side.name}_qjl_halves_ptr" in source
+        plane, _ = side.sign_plane
+        ranges = len(side.sign_weights("c"))
+        wide = re.findall(rf"packed_{plane}_\d+ \|= _chunk_bits\(positive, {side.name}_sign_\d+, {side.chunks}\)",
+                          source)
+        by_chunk = re.findall(rf"packed_{plane}_\d+ \|= \(_project_halves\(residual_hi, residual_lo, high, low\)",
+                              source)
+        assert len(wide) == (ranges if side.qjl_wide_dims else 0), (side.name, wide)
+        assert len(by_chunk) == (side.chunks if set(side.qjl_wide_dims) != set(side.head_dims) else 0), side.name
+        if side.qjl_wide_dims:
+            high = source.index(f"{side.name}_qjl_high = tl.load(")
+            assert loop < 0 or high < loop, f"{side.name}: S is loaded inside the tile loop"
+        for d in side.head_dims:
+            if layout.fill_loops and d not in side.qjl_wide_dims:
+                assert m._LOOP_STAGES[d] == 1, (side.name, d)
+
+
 @pytest.mark.parametrize("name", ["turbo_outlier_2p5", "turbo_k4v2_d80_96"])
 def test_padded_chunks_take_ptx_with_their_padding_masked(name):
     """Chunks padded to a power of two take the PTX helpers (SideLayout.fast_unpack) because each code load masks

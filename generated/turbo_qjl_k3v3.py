@@ -421,8 +421,8 @@ def _fill_kernel(
         head = tl.program_id(1)
     KEY_CHUNK: tl.constexpr = HEAD_DIM // 8
     key_chunk = tl.arange(0, KEY_CHUNK)
-    # S's fp16 halves, loaded once for every tile: S r for a whole row is one product per half, its column
-    # i * 8 + c chunk c's position i.
+    # S's fp16 halves, loaded once a program: S r for a whole row in one projection, column i * 8 + c chunk c's
+    # position i.
     KEY_QJL_WIDE: tl.constexpr = HEAD_DIM <= 128  # head_dim 128; wider halves pass the shared memory
     if KEY_QJL_WIDE:
         key_dim = tl.arange(0, HEAD_DIM)
@@ -2639,7 +2639,7 @@ def fill(
     num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
     per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
     stages = _LOOP_STAGES.get(cache.head_dim, 3)
-    # A loop of one stage prefetches nothing: there each program takes one tile.
+    # Where _LOOP_STAGES gives one stage, a loop would prefetch nothing: there each program takes one tile.
     tiles = 1 if stages == 1 else _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
     shares = _cdiv(num_tiles, tiles)  # a KV head's programs
     if key.dtype != torch.float16 or value.dtype != torch.float16:  # rows split into fp16 halves, either side's

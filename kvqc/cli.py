@@ -204,7 +204,7 @@ def _explain(args: argparse.Namespace) -> int:
               "from this call's tokens and the ring")
     for side in layout.sides:
         if side.qjl:
-            how = ("the whole row's S r in one product per half of S, which each program loads once"
+            how = ("the whole row's S r in one projection, against S loaded once a program"
                    if d in side.qjl_wide_dims else
                    f"S r a chunk of positions at a time, S's rows loaded per tile (wider than "
                    f"{side.QJL_WIDE_WIDTH}), one tile a program")

@@ -818,7 +818,8 @@ def test_explain_says_how_fill_projects_a_qjl_residual(capsys):
     """Up to a padded width of 128 fill projects the whole row against S loaded once a program; wider, a chunk of
     positions at a time (SideLayout.qjl_wide_dims)."""
     assert main(["explain", str(SCHEME_DIR / "turbo_qjl_k3v3.yaml"), "--head-dim", "128"]) == 0
-    assert "key's QJL signs: the whole row's S r in one product per half of S" in capsys.readouterr().out
+    assert "key's QJL signs: the whole row's S r in one projection, against S loaded once a program" in (
+        capsys.readouterr().out)
     assert main(["explain", str(SCHEME_DIR / "turbo_qjl_k3v3.yaml"), "--head-dim", "256"]) == 0
     assert "key's QJL signs: S r a chunk of positions at a time" in capsys.readouterr().out
 

@@ -20,11 +20,12 @@ from kvqc.tools import estimate, resources
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "turbo_k4v2", "int8_token"])
 def test_only_hadamard_block_fills_loop_and_none_loads_a_matrix_in_its_loop(scheme):
     # A dense rotation would be copied by every stage past the first of a looping fill (Layout.loop_stages); no
-    # shipped fill loops over one. Hadamard blocks load no matrix; turbo_outlier_2p5's and turbo_qjl_k3v3's fills
-    # take a tile a program (no loop), int8_token's too, and flatten always runs one stage.
+    # shipped fill loops over one. Hadamard blocks load no matrix; turbo_outlier_2p5's fill takes a tile a program
+    # (no loop), int8_token's too, and flatten always runs one stage. turbo_qjl_k3v3's fill loads S's halves before
+    # its loop at head_dim 128 and S's rows per tile at 256, where its loop takes one stage (one tile a program).
     layout = plan(load_scheme(SCHEMES / f"{scheme}.yaml"))
-    assert layout.fill_loops == (scheme == "turbo_k4v2")
-    assert layout.loop_stages == {}
+    assert layout.fill_loops == (scheme in ("turbo_k4v2", "turbo_qjl_k3v3"))
+    assert layout.loop_stages == ({256: 1} if scheme == "turbo_qjl_k3v3" else {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,11 +37,12 @@ def launches_at_256(scheme: str) -> tuple:
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "metal_q8_0_q3_0"])
 def test_kernels_fit_an_sm_at_head_dim_256(scheme):
-    # The first two load d x d matrices in fill and flatten; metal_q8_0_q3_0's looping fill holds the widest tiles,
-    # whose pipeline copies pass an SM at two stages for bf16 and fp32 inputs (fill_stages_split_inputs: one).
+    # The first two load d x d matrices in fill and flatten (turbo_qjl_k3v3's fill, whose loop takes one stage at
+    # 256, is recorded as a loop); metal_q8_0_q3_0's looping fill holds the widest tiles, whose pipeline copies pass
+    # an SM at two stages for bf16 and fp32 inputs (fill_stages_split_inputs: one).
     rows = resources.measure(scheme, 256, launches=list(launches_at_256(scheme)))
     fills = {"_fill_kernel", "_fill_kernel[bf16]", "_fill_kernel[fp32]"}
-    if scheme == "metal_q8_0_q3_0":
+    if scheme in ("metal_q8_0_q3_0", "turbo_qjl_k3v3"):
         fills = {"_fill_kernel", "_fill_kernel[loop,fp16]", "_fill_kernel[loop,bf16]", "_fill_kernel[loop,fp32]"}
     assert fills | {"_decode_kernel", "_flatten_kernel"} <= {row["kernel"] for row in rows}
     for row in rows:

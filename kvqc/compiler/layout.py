@@ -206,9 +206,9 @@ class SideLayout:
 
     @property
     def qjl_wide_dims(self) -> tuple[int, ...]:
-        """The head_dims where fill projects a QJL residual in one product per half of S, S r for the whole row
-        (N = the padded width) against S's halves loaded before the tile loop: up to QJL_WIDE_WIDTH.
-        Elsewhere one product per chunk of positions, on S's rows for it, loaded per tile."""
+        """The head_dims where fill projects a QJL residual for the whole row at once (N = the padded width) against
+        S's halves, loaded once a program, before a looping fill's tiles: up to QJL_WIDE_WIDTH. Elsewhere one
+        projection per chunk of positions, on S's rows for it, loaded per tile."""
         return tuple(d for d in self.head_dims if self.padded_width(d) <= self.QJL_WIDE_WIDTH)
 
     def padded_width(self, head_dim: int) -> int:

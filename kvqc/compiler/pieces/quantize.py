@@ -1,6 +1,7 @@
 """Fill: quantize one tile of K or V rows and write codes and metadata. The rows come in position order (the rotated
 basis, rotate.py); the side's codec (codecs/) turns them into codes and scales, any residual stage adds its bit, and
-packing.py packs and stores. Lines at the kernel body's indent."""
+packing.py packs and stores (a residual stage that `packs`, QJL's, packs and stores them itself). Lines at the
+kernel body's indent."""
 
 from __future__ import annotations
 

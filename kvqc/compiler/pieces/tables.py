@@ -72,7 +72,7 @@ def _codebook(side: SideLayout) -> list[str]:
 
 def _qjl(side: SideLayout) -> list[str]:
     """`<side>_qjl`, the d x d Gaussian projection from its seed, rows and columns in position order, and
-    `<side>_qjl_halves` [2, d, d], its fp16 high and low halves for fill's products."""
+    `<side>_qjl_halves`, its fp16 high and low halves stacked (padded like it), for fill's and flatten's products."""
     name = side.name
     lines = [f"qjl = torch.tensor(gaussian_matrix(d, d, {side.qjl_seed}), dtype=torch.float64)"]
     if side.padded:

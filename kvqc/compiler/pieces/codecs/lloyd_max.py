@@ -38,7 +38,8 @@ class LloydMax:
 
     def encode(self, side: SideLayout, valid: str) -> str:
         """Fill: `code_<c>` from `x_<c>` (float32 chunks of the rows in position order) with the residual stage's bit
-        above it, and `norm`: the row's L2 norm, divided by <u, u_hat> where the scale is unbiased (DRIVE/EDEN)."""
+        above it (QJL's `finish` instead packs and stores the codes, its signs or'ed into the packed bytes), and
+        `norm`: the row's L2 norm, divided by <u, u_hat> where the scale is unbiased (DRIVE/EDEN)."""
         residual = residuals.of(side)
         out = (f"{BODY}norm = tl.sqrt({side.sum_squares('x')})\n"
                f"{BODY}# A zero row stores norm 0 and reads back as zeros, never NaN.\n"

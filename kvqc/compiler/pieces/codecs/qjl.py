@@ -67,9 +67,8 @@ class Qjl:
                  f"{name}_qjl_low = tl.load({name}_qjl_halves_ptr + {pad} * {pad} + {name}_s_row[:, None] * {pad} + "
                  f"{name}_dim[None, :])"]
         lines += [f"{name}_sign_{r} = {weight}" for r, weight in side.sign_weights(f"{name}_chunk_of")]
-        out = (f"{BODY}# S's fp16 halves, loaded once for every tile: S r for a whole row is one product per half, "
-               "its column\n"
-               f"{BODY}# i * {chunks} + c chunk c's position i.\n")
+        out = (f"{BODY}# S's fp16 halves, loaded once a program: S r for a whole row in one projection, column "
+               f"i * {chunks} + c chunk c's\n{BODY}# position i.\n")
         if set(side.qjl_wide_dims) == set(side.head_dims):
             return out + "".join(f"{BODY}{line}\n" for line in lines)
         wide = " ".join(map(str, side.qjl_wide_dims))

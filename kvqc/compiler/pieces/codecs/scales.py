@@ -64,8 +64,9 @@ def scaled_codes(side: SideLayout, valid: str, grid: Grid) -> str:
 
 
 def row_codes(side: SideLayout, grid: Grid, valid: str) -> str:
-    """One scale (and zero) per row, from every chunk; then each chunk's codes and any residual stage's bit. Only
-    uniform grids have a residual stage, so its reconstruction is the uniform level times the scale."""
+    """One scale (and zero) per row, from every chunk; then each chunk's codes and any residual stage's bit (QJL's
+    `finish` packs and stores the codes with its signs). Only uniform grids have a residual stage, so its
+    reconstruction is the uniform level times the scale."""
     residual = residuals.of(side)
     out = ""
     if side.scale_kind == "minmax":

@@ -37,12 +37,12 @@ def launches_at_256(scheme: str) -> tuple:
 
 @pytest.mark.parametrize("scheme", ["turbo_qjl_k3v3", "turbo_outlier_2p5", "metal_q8_0_q3_0"])
 def test_kernels_fit_an_sm_at_head_dim_256(scheme):
-    # The first two load d x d matrices in fill and flatten (turbo_qjl_k3v3's fill, whose loop takes one stage at
-    # 256, is recorded as a loop); metal_q8_0_q3_0's looping fill holds the widest tiles, whose pipeline copies pass
-    # an SM at two stages for bf16 and fp32 inputs (fill_stages_split_inputs: one).
+    # The first two load d x d matrices in fill and flatten (turbo_qjl_k3v3's fill loop takes one stage at 256, one
+    # tile a program); metal_q8_0_q3_0's looping fill holds the widest tiles, whose pipeline copies pass an SM at two
+    # stages for bf16 and fp32 inputs (fill_stages_split_inputs: one).
     rows = resources.measure(scheme, 256, launches=list(launches_at_256(scheme)))
     fills = {"_fill_kernel", "_fill_kernel[bf16]", "_fill_kernel[fp32]"}
-    if scheme in ("metal_q8_0_q3_0", "turbo_qjl_k3v3"):
+    if scheme == "metal_q8_0_q3_0":
         fills = {"_fill_kernel", "_fill_kernel[loop,fp16]", "_fill_kernel[loop,bf16]", "_fill_kernel[loop,fp32]"}
     assert fills | {"_decode_kernel", "_flatten_kernel"} <= {row["kernel"] for row in rows}
     for row in rows:

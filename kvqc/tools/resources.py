@@ -159,7 +159,8 @@ def record(scheme: str, head_dim: int, layout: str = "bhsd") -> list[dict]:
             kv.fill(cache, key.to(dtype), value.to(dtype), slot_mapping, **tokens_at)
             short = TYPES[str(dtype).removeprefix("torch.")]
             for launch in launches[first:]:
-                looped = loops and launch["kernel"] == "_fill_kernel"  # the window and group kernels take no loop
+                # The window and group kernels take no loop, nor a fill whose loop has one stage (one tile a program).
+                looped = loops and launch["kernel"] == "_fill_kernel" and launch["args"]["tiles"][1] > 1
                 launch["label"] = f"{launch['kernel']}[{'loop,' * looped}{short}]"
     finally:
         kv._target_programs = target

@@ -2099,9 +2099,9 @@ def fill(
     # One wave: each program loops over an equal share of the tiles (a runtime count: no compiled variant per share).
     num_tiles = _cdiv(num_tokens, _FILL_BLOCK_T)
     per_sm = _FILL_PROGRAMS_PER_SM.get(cache.head_dim, 8)
+    stages = _LOOP_STAGES.get(cache.head_dim, 3)
     tiles = _cdiv(num_tiles, max(1, _target_programs(cache.device, per_sm) // cache.num_kv_heads))
     shares = _cdiv(num_tiles, tiles)  # a KV head's programs
-    stages = _LOOP_STAGES.get(cache.head_dim, 3)
     if key.dtype != torch.float16 or value.dtype != torch.float16:  # rows split into fp16 halves, either side's
         stages = min(stages, _SPLIT_INPUT_STAGES.get(cache.head_dim, stages))
     heads_fastest = _heads_fastest(cache)

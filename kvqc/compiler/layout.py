@@ -230,17 +230,13 @@ class SideLayout:
     def sign_weights(self, chunk_of: str) -> tuple[tuple[int, str], ...]:
         """(byte range, the residual bit's value in it for a position of chunk `chunk_of`) per byte range of the
         sign plane: chunk c's bit where c % ranges is the range, 0 elsewhere."""
+        # The bit sits above the index (offset > 0) in a plane of 2, 4 or 8 bits: a 1-bit plane holds bit 0.
         _, plane = self.sign_plane
         ranges, offset = self.ranges(plane), self.level_bits - plane.shift
         if ranges == 1:
-            field = f"{chunk_of} * {plane.width}" if plane.width > 1 else chunk_of
-            return ((0, f"1 << ({field} + {offset})" if offset else f"1 << {field}"),)
-        out = []
-        for r in range(ranges):
-            field = f"{chunk_of} // {ranges}" + (f" * {plane.width}" if plane.width > 1 else "")
-            bit = f"1 << ({field} + {offset})" if offset else f"1 << ({field})"
-            out.append((r, f"tl.where({chunk_of} % {ranges} == {r}, {bit}, 0)"))
-        return tuple(out)
+            return ((0, f"1 << ({chunk_of} * {plane.width} + {offset})"),)
+        return tuple((r, f"tl.where({chunk_of} % {ranges} == {r}, 1 << ({chunk_of} // {ranges} * {plane.width} + "
+                         f"{offset}), 0)") for r in range(ranges))
 
     @property
     def scale_kind(self) -> str:

@@ -204,3 +204,15 @@ def test_the_estimate_lands_near_the_benchmark(scheme):
                   (scheme, batch, context, 128, "bhsd") and r["status"] == "ok"]
         assert abs(math.log(got["us"] / (run["kvqc_graph_ms"] * 1e3))) < 0.3, (shape, got, run["kvqc_graph_ms"])
         assert got["floor_us"] == pytest.approx(run["floor_ms"] * 1e3, rel=0.01)  # the run's copy: 3000-3001 GB/s
+
+
+def test_a_qjl_fill_that_gathers_its_cells_compiles():
+    # lloyd_signs's K: a 6-bit Lloyd-Max index, its cell and centroid gathered from the tables, and QJL's sign of S
+    # times the residual, so S's product depends on those loads. Its looping fill takes one stage (Layout.loop_stages):
+    # on two, Triton 3.6's pipeliner fails to compile it.
+    scheme = str(ROOT / "tests" / "schemes" / "lloyd_signs.yaml")
+    assert plan(load_scheme(scheme)).loop_stages == {128: 1}
+    fill = next(launch for launch in resources._step("record", scheme, "128 bhsd", interpret=True)
+                if launch["kernel"] == "_fill_kernel")
+    (row,) = resources._step("compile", scheme, json.dumps([fill]), interpret=False)
+    assert "error" not in row and row["options"]["num_stages"] == 1, row

@@ -188,6 +188,11 @@ class SideLayout:
         return self.lloyd_max and self.level_bits <= 4
 
     @property
+    def gathers_cells(self) -> bool:
+        """Fill finds a Lloyd-Max cell and its centroid by loads from the tables (binary search), past 16 entries."""
+        return self.lloyd_max and not self.scalar_codebook
+
+    @property
     def packing(self) -> str:
         """"split" (each plane's chunks side by side) or "interleaved" (position order mixes the chunks)."""
         return self.scheme.packing
@@ -1575,12 +1580,14 @@ class Layout:
         fit (flatten's takes one stage): the pipeliner gives every stage past the first a copy of each load in the
         loop, and the matrices are loaded there a block at a time, though they are the same on every tile. A dense
         rotation is fp16 (+-1 entries), as wide as the part's positions; where a QJL side loads S's rows per tile,
-        one stage. Where the tiles of bf16 and fp32 inputs pass an SM, `fill_stages_split_inputs` in
-        templates/decode_tuning.json says so per scheme."""
+        one stage, and where it gathers its cells and centroids from the tables (over 16 entries): S's product then
+        depends on those loads, and Triton 3.6's pipeliner, scheduling the loads a stage early, fails to compile the
+        tile's first dots ("doesn't know how to predicate" them). Where the tiles of bf16 and fp32 inputs pass an SM,
+        `fill_stages_split_inputs` in templates/decode_tuning.json says so per scheme."""
         stages = {}
         for d in self.head_dims if self.fill_loops else ():
-            if any(side.qjl and d not in side.qjl_wide_dims for side in self.sides):
-                stages[d] = 1  # each stage would copy S's rows for every chunk, loaded in the loop
+            if any(side.qjl and (d not in side.qjl_wide_dims or side.gathers_cells) for side in self.sides):
+                stages[d] = 1  # S's rows would be copied by each stage, or the gathers would be pipelined
                 continue
             copy = 0
             for part in self.sides:

@@ -1,6 +1,7 @@
 """A small emulator of the PTX instructions decode's unpacking helpers use, so that their instructions are checked
-where no GPU runs them: 32-bit integer operations, prmt and lop3, fp16 pairs, and the 16-bit loads of the codebook
-gather (from a dict of byte addresses).
+where no GPU runs them: 32-bit integer operations, prmt and lop3, fp16 pairs, the 16-bit loads and stores of the
+codebook gather and of its copy into shared memory (one dict of byte addresses stands for both state spaces), one
+thread at a time (%tid.x, predicates; barriers are no-ops).
 """
 
 import inspect
@@ -38,19 +39,35 @@ def _f16x2(a: int, b: int, op) -> int:
     return int(out[0]) | int(out[1]) << 16
 
 
-def run(asm: str, registers: dict, memory: dict | None = None) -> dict:
-    """Run a helper's instructions from its operand registers (`$n`: int); `memory` maps byte addresses to bytes."""
-    env = dict(registers)
+def run(asm: str, registers: dict, memory: dict | None = None, symbols: dict | None = None, tid: int = 0) -> dict:
+    """Run a helper's instructions from its operand registers (`$n`: int); `memory` maps byte addresses to bytes,
+    `symbols` a shared array's name to its address; `tid` is the thread's %tid.x."""
+    env = {**registers, **(symbols or {}), "%tid.x": tid}
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
-        if not line or line.startswith((".reg", "{", "}")):
+        if not line or line.startswith((".reg", ".shared", "{", "}")) or line == "bar.sync 0":
             continue
+        guard = re.match(r"@(!?)(\w+) ", line)
+        if guard:
+            line = line[guard.end():]
+            if bool(env[guard.group(2)]) == bool(guard.group(1)):
+                continue
         op, rest = line.split(None, 1)
         kind = op.split(".")[0]
         if kind == "ld":
-            dest, address = re.fullmatch(r"(\w+), \[(\w+)\]", rest).groups()
-            at = env[address]
+            dest, base, offset = re.fullmatch(r"(\w+), \[(\w+)(?:\+(\d+))?\]", rest).groups()
+            at = env[base] + int(offset or 0)
             env[dest] = memory[at] | memory[at + 1] << 8
+            continue
+        if kind == "st":
+            base, offset, value = re.fullmatch(r"\[(\w+)(?:\+(\d+))?\], (\w+)", rest).groups()
+            at = env[base] + int(offset or 0)
+            memory[at], memory[at + 1] = env[value] & 0xFF, env[value] >> 8
+            continue
+        if kind == "setp":
+            dest, a, b = [a.strip() for a in rest.split(",")]
+            assert op == "setp.lt.u32", op
+            env[dest] = env[a] < int(b, 0)
             continue
         if kind == "mov" and "{" in rest:
             dest, low, high = re.fullmatch(r"(\$?\w+), \{(\w+), (\w+)\}", rest).groups()
@@ -80,6 +97,8 @@ def run(asm: str, registers: dict, memory: dict | None = None) -> dict:
             env[dest] = lop3(*v)
         elif op == "mad.wide.u32":
             env[dest] = v[0] * v[1] + v[2]
+        elif op == "mad.lo.u32":
+            env[dest] = (v[0] * v[1] + v[2]) & MASK
         else:
             raise AssertionError(f"the emulator lacks {op}")
     return env

@@ -130,7 +130,8 @@ def test_every_lloyd_max_index_width_takes_ptx(bits, residual):
     """Every Lloyd-Max codebook the language accepts (1 to 8 index bits, with a sign or QJL bit above on K, a sign
     on V) decodes through a PTX helper, not the portable select trees or a gather through Triton's loads: the plan
     says so, the kernel calls that helper on each side, and the helper looks its entries up as the plan has it: by
-    prmt over 8-entry groups and a select per further bit below GATHER_BITS, by one fp16 load per code from it on."""
+    prmt over 8-entry groups and a select per further bit below GATHER_BITS, from it on by one fp16 load per code from
+    the codebook's copy in shared memory, made once a program before the tile loop."""
     value_residual = residual if residual != "qjl" else None
     data = {"version": 1, "name": "lloyd_width", "head_dims": [128],
             "key": lloyd_max(bits, residual), "value": lloyd_max(bits, value_residual)}
@@ -144,8 +145,11 @@ def test_every_lloyd_max_index_width_takes_ptx(bits, residual):
             continue  # a hand-written helper (runtime/ptx.py): test_runtime.py holds the module to it
         helper = re.search(rf"def _unpack_{kind}(_pairs)?\(.*?\n    \)\n", source, re.S).group(0)
         gathers = bits >= GATHER_BITS and kind != "lut1"
-        assert helper.count("ld.global.nc.b16") == (4 if gathers else 0), (side.name, kind)
+        assert helper.count("ld.shared.b16") == (4 if gathers else 0), (side.name, kind)
+        assert "ld.global" not in helper, (side.name, kind)
         assert (f'tables["{side.name}_entries"]' in source) == gathers
+        staged = f"{side.name}_entries = _{side.name}_entries_to_shared({side.name}_entries_ptr)"
+        assert (staged in source) == gathers, (side.name, kind)
         groups = 2 ** bits // 8 if not gathers else 0
         assert helper.count(", m, 0xd8;") == (2 * (groups - 1) if groups > 1 else 0), (side.name, kind)
 

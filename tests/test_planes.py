@@ -4,13 +4,14 @@ residual or (Lloyd-Max K) with its QJL bit, each element is what the code its by
 """
 
 import random
+import re
 
 import numpy as np
 import ptx
 import pytest
 
 from kvqc.compiler.pieces import planes
-from kvqc.compiler.layout import WHOLE_BYTE_KINDS, plan
+from kvqc.compiler.layout import GATHER_BITS, WHOLE_BYTE_KINDS, plan
 from kvqc.compiler.spec import scheme_from_dict
 
 
@@ -81,8 +82,8 @@ def test_plane_helpers_decode_each_code(codebook, bits, residual):
                 entries = fp16([rng.uniform(-1, 1) for _ in range(side.levels)])
                 index = [c & side.levels - 1 for c in code]
                 want = [entries[i] for i in index]
-                if side.lut_gather:
-                    base = rng.randrange(1 << 20, 1 << 40, 2)
+                if side.lut_gather:  # the shared array's address, aligned as _<side>_entries_to_shared declares it
+                    base = rng.randrange(0, 1 << 16, max(256, 2 * side.levels))
                     for i, e in enumerate(entries):
                         memory[base + 2 * i], memory[base + 2 * i + 1] = e & 0xFF, e >> 8
                     for r in range(4):
@@ -106,3 +107,29 @@ def test_plane_helpers_decode_each_code(codebook, bits, residual):
             if side.qjl:
                 signs = ptx.halves(env["$2"]) + ptx.halves(env["$3"])
                 assert signs == [0x3C00 if c >> side.level_bits & 1 else 0xBC00 for c in code], (side.name, code)
+
+
+@pytest.mark.parametrize("bits", range(GATHER_BITS, 9))
+def test_codebook_copied_into_shared_memory_for_the_lookups(bits):
+    """A gathering side's `_<side>_entries_to_shared`: the first warp's threads copy every fp16 entry from global
+    memory into a shared array, declared in the PTX aligned to its size and to at least 256 bytes (the lookups' prmt
+    writes index * 2 over its address's low byte), nothing past it, and every thread gets the array's address."""
+    rng = random.Random(bits)
+    data = {"version": 1, "name": "gather", "head_dims": [128], "key": side_of("lloyd_max", bits, None),
+            "value": side_of("lloyd_max", bits, None)}
+    for side in plan(scheme_from_dict(data)).sides:
+        assert side.lut_gather
+        asm = re.search(r'asm="""(.*?)"""', planes.to_shared_source(side), re.DOTALL).group(1)
+        align, symbol, size = re.search(r"\.shared \.align (\d+) \.b8 (\w+)\[(\d+)\];", asm).groups()
+        align, size = int(align), int(size)
+        assert size == 2 * side.levels and align >= max(256, size) and align & (align - 1) == 0, (align, size)
+        assert symbol == f"kvqc_{side.name}_entries"
+        entries = fp16([rng.uniform(-1, 1) for _ in range(side.levels)])
+        source = rng.randrange(1 << 20, 1 << 40, 2)
+        memory = {source + 2 * i + b: e >> 8 * b & 0xFF for i, e in enumerate(entries) for b in range(2)}
+        shared = 3 * align
+        for tid in range(64):  # two warps' threads
+            env = ptx.run(asm, {"$1": source}, memory, {symbol: shared}, tid)
+            assert env["$0"] == shared
+        assert [memory[shared + 2 * i] | memory[shared + 2 * i + 1] << 8 for i in range(side.levels)] == entries
+        assert {a for a in memory if a < 1 << 20} == set(range(shared, shared + size))

@@ -793,7 +793,7 @@ class SideLayout:
         "u<bits>s" (a uniform level and the residual's sign: + - rms / scale, the residual in grid steps) and
         "u<bits>qjl" (K's level and its QJL sign bit, as lut<bits>qjl) are made by one helper per kind that gathers a
         code's bits from every plane (planes.py; lut_gather: indices from GATHER_BITS bits on load their entries from
-        the fp16 codebook).
+        the fp16 codebook's copy in shared memory).
         Uniform codes take a scale (and zero) per token, applied with a shift (decode_shift), or scales that stay
         outside the tiles: per group of channels (group_dots) or K's per channel (channel_dots); Lloyd-Max codes a norm.
         V's per-channel scales, scale groups without group_dots and QJL on V keep the portable path.
@@ -940,9 +940,10 @@ class SideLayout:
 
     @property
     def lut_gather(self) -> bool:
-        """The plane helper reads each index's entry from `tables["<side>_entries"]` (the codebook in fp16, one
-        cached load a code) instead of prmt over lookup words: prmt picks among 8 bytes, so an index of b bits takes
-        2**(b - 2) prmt and a select tree over them, more instructions than the loads from GATHER_BITS on."""
+        """The plane helper reads each index's entry from `tables["<side>_entries"]` (the codebook in fp16), copied
+        into shared memory once a program (planes.to_shared_source): one prmt and one load a code up to 7 bits,
+        instead of prmt over lookup words: prmt picks among 8 bytes, so an index of b bits takes 2**(b - 2) prmt and a
+        select tree over them, more instructions than the loads from GATHER_BITS on."""
         return self.plane_unpack and self.lloyd_max and self.level_bits >= GATHER_BITS
 
     @property
@@ -950,7 +951,7 @@ class SideLayout:
         """What decode loads once per program for this side's PTX lookups, as (name, expression): the lookup words,
         or the entries' address for lut_gather."""
         if self.lut_gather:
-            return ((f"{self.name}_entries", f"{self.name}_entries_ptr.to(tl.int64)"),)
+            return ((f"{self.name}_entries", f"_{self.name}_entries_to_shared({self.name}_entries_ptr)"),)
         return tuple((f"{self.name}_lut_{i}", self.lut_expr(i)) for i in range(self.lut_words))
 
     @property
@@ -1055,7 +1056,7 @@ class SideLayout:
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
             planes += ", the QJL sign bit as a +-1 tile for the projected query's dot" if self.qjl else ""
-            planes += f", {self.levels} entries loaded from the fp16 codebook" if self.lut_gather else ""
+            planes += f", {self.levels} entries loaded from the codebook's copy in shared memory" * self.lut_gather
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"

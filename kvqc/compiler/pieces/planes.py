@@ -21,6 +21,7 @@ BYTES = 0x01010101  # a mask repeated in each byte of a register
 class PlaneSide(Protocol):
     """What a helper needs of a side's plan (SideLayout)."""
 
+    name: str
     fast_unpack: str
     planes: tuple
     qjl: bool
@@ -35,8 +36,44 @@ class PlaneSide(Protocol):
 
 
 def sources(layout: Layout) -> str:
-    """Every helper the layout's bit-plane sides call (Layout.plane_helpers), two blank lines after each."""
-    return "".join(helper_source(kind, pairs, side) + "\n\n\n" for kind, pairs, side in layout.plane_helpers)
+    """Every helper the layout's bit-plane sides call (Layout.plane_helpers), and the copy of each gathering side's
+    codebook into shared memory, two blank lines after each."""
+    helpers = [helper_source(kind, pairs, side) for kind, pairs, side in layout.plane_helpers]
+    helpers += [to_shared_source(side) for side in layout.sides if side.lut_gather]
+    return "".join(helper + "\n\n\n" for helper in helpers)
+
+
+def to_shared_source(side: PlaneSide) -> str:
+    """`_<side>_entries_to_shared(entries_ptr)`: the side's fp16 codebook copied once a program into a shared array
+    the PTX declares (Triton's own shared memory is untouched), whose address the lookups take. The array is aligned
+    to its size, and to at least 256 bytes: an entry's address is the array's with index * 2 over its low bits, which
+    prmt writes in one instruction up to 7 bits. The address is the helper's result, so every lookup depends on the
+    copy and its barrier."""
+    entries = 2 ** side.level_bits
+    symbol = f"kvqc_{side.name}_entries"
+    lines = ["@triton.jit", f"def _{side.name}_entries_to_shared(entries_ptr):"]
+    lines += _wrap_docstring(f"The {entries} fp16 entries of {side.name}'s codebook into the shared array {symbol}, "
+                             "copied by the first warp before a barrier: its address, for the lookups.")
+    asm = [".reg .b32 t, s;", ".reg .b64 a;", ".reg .b16 e;", ".reg .pred p;", "mov.u32 t, %tid.x;",
+           "setp.lt.u32 p, t, 32;", f"mov.u32 $0, {symbol};", "mad.lo.u32 s, t, 2, $0;", "mad.wide.u32 a, t, 2, $1;"]
+    for k in range(entries // 32):
+        asm += [f"@p ld.global.nc.b16 e, [a+{64 * k}];", f"@p st.shared.b16 [s+{64 * k}], e;"]
+    asm.append("bar.sync 0;")
+    body = "\n".join(f"        {instruction}" for instruction in asm)
+    return "\n".join(lines + [
+        "    return tl.inline_asm_elementwise(",
+        '        asm="""',
+        f"        .shared .align {max(256, 2 * entries)} .b8 {symbol}[{2 * entries}];",
+        "        {",
+        body,
+        '        }""",',
+        '        constraints="=r,l",',
+        "        args=[entries_ptr.to(tl.int64)],",
+        "        dtype=tl.int32,",
+        "        is_pure=False,",
+        "        pack=1,",
+        "    )",
+    ])
 
 
 def helper_source(kind: str, pairs: bool, side: PlaneSide) -> str:
@@ -94,7 +131,7 @@ class _Helper:
                                    "`upper` is 0xff a byte takes its next field (a select of the byte shifted once "
                                    "more).")
         constraints = ",".join(["=r"] * self.outs) + ",r" * (n + self.pairs + 4 * n + 2 * self.sign)
-        constraints += ",r" * (4 * side.lut_words) + ",l" * (4 * side.lut_gather)
+        constraints += ",r" * (4 * side.lut_words + 4 * side.lut_gather)
         dtype = "(tl.float16, tl.float16)" if side.qjl else "tl.float16"
         return _call(lines, self.registers() + self.gather_bits() + self.body(), constraints, args, dtype,
                      pure=not side.lloyd_max)
@@ -132,7 +169,8 @@ class _Helper:
 
     def lookup_doc(self) -> str:
         if self.side.lut_gather:
-            return "read each entry from the fp16 codebook at `entries` (one load each, L1-resident)"
+            return ("read each entry from the fp16 codebook in shared memory at `entries` (one prmt and one "
+                    "load each up to 7 bits)")
         return (f"make one prmt selector, and prmt reads the entries' low and high bytes (lut: {self.side.lut_words} "
                 "words, as _lut_words packs them)")
 
@@ -143,14 +181,20 @@ class _Helper:
             groups = side.lut_words // 4
             lo, hi = _group_names(groups)
             names += ["i"] if side.lut_gather else ["s", *lo, *hi]
-            names += ["z"] + ["l", "h", "m"] * (side.qjl or self.sign) + ["m"] * (groups > 1)
+            names += ["z"] * self.zero + ["l", "h", "m"] * (side.qjl or self.sign) + ["m"] * (groups > 1)
             names += ["o"] * side.qjl + ["r0", "r1"] * self.sign
         else:
             names += ["e", "o"] + ["z", "l", "h", "m"] * (self.sign or side.qjl) + ["r0", "r1"] * self.sign
         out = [".reg .b32 " + ", ".join(dict.fromkeys(names)) + ";"]
         if side.lut_gather:
-            out += [".reg .b64 a;", ".reg .b16 e0, e1, e2, e3;"]
+            out.append(".reg .b16 e0, e1, e2, e3;")
         return out
+
+    @property
+    def zero(self) -> bool:
+        """A register of zeros for prmt: the bit above the index, prmt lookups and 8-bit gathers take one."""
+        side = self.side
+        return self.sign or side.qjl or (side.lloyd_max and not (side.lut_gather and side.level_bits < 8))
 
     def gather_bits(self) -> list[str]:
         """`c`: each code's bits from every plane, at their place in the code, one code a byte."""
@@ -168,7 +212,7 @@ class _Helper:
 
     def body(self) -> list[str]:
         side = self.side
-        out = ["mov.b32 z, 0;"] if side.lloyd_max or self.sign or side.qjl else []
+        out = ["mov.b32 z, 0;"] if self.zero else []
         if side.qjl or self.sign:
             # The bit above the index, moved to bit 7 of its byte, then to bit 15 of its half.
             out += [f"shl.b32 t, c, {7 - side.level_bits};", "prmt.b32 l, t, z, 0x1404;", "prmt.b32 h, t, z, 0x3424;",
@@ -189,12 +233,18 @@ class _Helper:
         return out
 
     def gather_entries(self) -> list[str]:
-        """Each index's fp16 entry by one load through L1 (the table is 2**bits halves: a warp's loads touch a few
-        128-byte lines at most), two halves a register."""
+        """Each index's fp16 entry by one load from the codebook's shared array (_<side>_entries_to_shared), two
+        halves a register. The array is aligned to its size: up to 7 bits, prmt writes index * 2 over the address's
+        low byte; 8-bit indices take a multiply-add."""
         out = []
-        for k in range(4):
-            out += [f"prmt.b32 i, c, z, 0x{0x4440 + k:x};", f"mad.wide.u32 a, i, 2, ${self.lut};",
-                    f"ld.global.nc.b16 e{k}, [a];"]
+        if self.side.level_bits < 8:
+            out.append("shl.b32 c, c, 1;")  # index * 2 stays inside its byte
+            for k in range(4):
+                out += [f"prmt.b32 i, c, ${self.lut}, 0x{0x7650 + k:x};", f"ld.shared.b16 e{k}, [i];"]
+        else:
+            for k in range(4):
+                out += [f"prmt.b32 i, c, z, 0x{0x4440 + k:x};", f"mad.lo.u32 i, i, 2, ${self.lut};",
+                        f"ld.shared.b16 e{k}, [i];"]
         return out + ["mov.b32 $0, {e0, e1};", "mov.b32 $1, {e2, e3};"]
 
     def prmt_entries(self) -> list[str]:

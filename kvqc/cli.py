@@ -85,8 +85,7 @@ def _build(args: argparse.Namespace) -> int:
             print(printable(f"{scheme.source} -> {target}"))
         else:
             print(printable(f"{target}: up to date"))
-        note = _slow_decode_note(scheme)
-        if note:
+        for note in _decode_notes(scheme):
             print(printable(f"{target}: note: {note}"), file=sys.stderr)
     package = Path(args.out) / "__init__.py"
     if not args.check and rendered and not package.exists():
@@ -94,17 +93,27 @@ def _build(args: argparse.Namespace) -> int:
     return 1 if stale else 0
 
 
-def _slow_decode_note(scheme: Scheme) -> str:
-    """What a build says of a module whose decode reads some side without a PTX helper: which sides, why, and where
-    to read more; "" where every side has one (or fp8's hardware conversion)."""
+def _decode_notes(scheme: Scheme) -> list[str]:
+    """What a build says of a module whose decode is slow by construction: the sides read without a PTX helper
+    (which, why), and the sides whose codes each load a codebook entry; where to read more. None where every side
+    unpacks in registers (or fp8's hardware conversion)."""
     from kvqc.compiler.layout import plan
 
-    slow = [side for side in plan(scheme).sides if side.without_fast_decode]
-    if not slow:
-        return ""
-    why = "; ".join(f"{side.name}: {side.portable_reason}" for side in slow)
-    return (f"decode reads {' and '.join(side.name for side in slow)} on the portable path, with no PTX unpacking "
-            f"helper ({why}); `kvqc explain {scheme.source}` shows each side's path")
+    sides = plan(scheme).sides
+    explain = f"`kvqc explain {scheme.source}` shows each side's path"
+    notes = []
+    slow = [side for side in sides if side.without_fast_decode]
+    if slow:
+        why = "; ".join(f"{side.name}: {side.portable_reason}" for side in slow)
+        notes.append(f"decode reads {' and '.join(side.name for side in slow)} on the portable path, with no PTX "
+                     f"unpacking helper ({why}); {explain}")
+    loads = [side for side in sides if side.lut_gather]
+    if loads:
+        sizes = ", ".join(f"{side.name} {side.levels}" for side in loads)
+        notes.append(f"decode loads a codebook entry for every code of {' and '.join(side.name for side in loads)} "
+                     f"({sizes} entries, past the 16 that prmt looks up in registers): expect about fp16 "
+                     "attention's speed, not a multiple, docs/benchmarks.md#decode-of-formats-outside-the-catalogue")
+    return notes
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -54,6 +54,9 @@ def to_shared_source(side: PlaneSide) -> str:
     lines = ["@triton.jit", f"def _{side.name}_entries_to_shared(entries_ptr):"]
     lines += _wrap_docstring(f"The {entries} fp16 entries of {side.name}'s codebook into the shared array {symbol}, "
                              "copied by the first warp before a barrier: its address, for the lookups.")
+    lines += _wrap_comment("Declared in the PTX, beside Triton's own shared memory, and aligned to its size (256 bytes "
+                           "at least) so that a lookup's prmt writes index * 2 over the address's low byte. A scalar "
+                           "operand: the asm runs once a thread, where a tensor's would repeat the declaration.")
     asm = [".reg .b32 t, s;", ".reg .b64 a;", ".reg .b16 e;", ".reg .pred p;", "mov.u32 t, %tid.x;",
            "setp.lt.u32 p, t, 32;", f"mov.u32 $0, {symbol};", "mad.lo.u32 s, t, 2, $0;", "mad.wide.u32 a, t, 2, $1;"]
     for k in range(entries // 32):

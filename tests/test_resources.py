@@ -216,3 +216,14 @@ def test_a_qjl_fill_that_gathers_its_cells_compiles():
                 if launch["kernel"] == "_fill_kernel")
     (row,) = resources._step("compile", scheme, json.dumps([fill]), interpret=False)
     assert "error" not in row and row["options"]["num_stages"] == 1, row
+
+
+def test_shared_memory_counts_the_arrays_a_module_declares():
+    # cuobjdump's SHARED is the reserve every sm_90 block holds plus the arrays the PTX declares (a codebook's copy
+    # for the lookups past 16 entries: lloyd_k7_v5's decode declares 256 bytes for K's and 64 for V's); Triton's own
+    # shared memory is dynamic and comes from its metadata.
+    line = "  REG:255 STACK:0 SHARED:{} LOCAL:0 CONSTANT[0]:712 TEXTURE:0 SURFACE:0 SAMPLER:0"
+    usage = "\nResource usage:\n Common:\n  GLOBAL:11 CONSTANT[4]:8\n Function _decode_kernel:\n" + line
+    assert resources._usage(usage.format(1344)) == (255, 0, 320)
+    assert resources._usage(usage.format(resources.RESERVED_SHARED)) == (255, 0, 0)
+    assert resources._usage("") == (None, None, 0)

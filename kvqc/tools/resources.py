@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 SM90_SHARED = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
+# What cuobjdump's SHARED counts for every sm_90 block on top of the arrays a kernel declares: the driver's reserve.
+RESERVED_SHARED = 1024
 BLOCK_SIZE = 64
 # Constexprs as compiled CUDA sets them for fp16 inputs where the interpreter sets others.
 COMPILED = {"FAST_UNPACK": True, "FAST_CELL": True, "DOT_DTYPE": "fp16", "DOT_PRECISION": "tf32x3"}
@@ -238,8 +240,10 @@ def compile_launch(module, launch: dict) -> dict:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as exc:  # a kernel that does not compile is a finding, reported like the others
         return {"kernel": label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"}
-    registers, stack = _usage(compiled.asm["cubin"])
-    row = {"kernel": label, "shared": compiled.metadata.shared, "registers": registers, "stack": stack,
+    registers, stack, declared = _usage(_cuobjdump("-res-usage", compiled.asm["cubin"]))
+    # Triton's own shared memory, plus arrays the module's PTX declares (a codebook's copy, planes.to_shared_source)
+    shared = compiled.metadata.shared + declared
+    row = {"kernel": label, "shared": shared, "registers": registers, "stack": stack,
            "options": launch["options"]}
     if launch["kernel"] in SPLIT_KERNELS:
         sass = _cuobjdump("-sass", compiled.asm["cubin"])
@@ -300,12 +304,13 @@ def _cuobjdump(flag: str, cubin: bytes) -> str:
         return subprocess.run([str(tool), flag, file.name], capture_output=True, text=True).stdout
 
 
-def _usage(cubin: bytes) -> tuple[int | None, int | None]:
-    """Registers per thread and stack bytes per thread (spills, or arrays ptxas could not keep in registers), as
-    cuobjdump reads them from the cubin."""
-    out = _cuobjdump("-res-usage", cubin)
-    fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line for item in line.split())
-    return (int(fields["REG"]), int(fields["STACK"])) if fields else (None, None)
+def _usage(res_usage: str) -> tuple[int | None, int | None, int]:
+    """Registers per thread, stack bytes per thread (spills, or arrays ptxas could not keep in registers) and the
+    shared bytes the kernel's PTX declares beyond the driver's reserve, from cuobjdump's -res-usage output."""
+    fields = dict(item.split(":", 1) for line in res_usage.splitlines() if "REG:" in line for item in line.split())
+    if not fields:
+        return None, None, 0
+    return int(fields["REG"]), int(fields["STACK"]), max(0, int(fields.get("SHARED", 0)) - RESERVED_SHARED)
 
 
 def _print_estimates(rows: list[dict]) -> None:

@@ -160,7 +160,8 @@ _MERGE_ROWS = 64
 _FLATTEN_BLOCK_T = 64
 # Pipeline stages of fill's tile loop, per head_dim where fewer than Triton's 3 (a looping fill's 2): where the
 # stages' copies of a dense rotation, loaded in the loop, would pass an SM's shared memory.
-# A QJL projection loading S's rows per tile (wider than 128) takes one stage there, and one tile a program.
+# A QJL projection loading S's rows per tile (wider than 128), or projecting a residual whose cells are
+# gathered from the tables, takes one stage there, and one tile a program.
 _LOOP_STAGES = {256: 1}
 # The same for bf16 and fp32 inputs, whose rows the loop splits into fp16 halves: where their stages' tiles would
 # pass an SM's shared memory (templates/decode_tuning.json, `fill_stages_split_inputs`).

@@ -1058,7 +1058,8 @@ class SideLayout:
         if self.fast_unpack:
             planes = ", bits gathered from each plane" if self.plane_unpack and len(self.planes) > 1 else ""
             planes += ", the QJL sign bit as a +-1 tile for the projected query's dot" if self.qjl else ""
-            planes += f", {self.levels} entries loaded from the codebook's copy in shared memory" * self.lut_gather
+            if self.lut_gather:
+                planes += f", {self.levels} entries loaded from the codebook's copy in shared memory"
             how = f"PTX unpacking ({self.fast_unpack}{', 32-bit words' if self.word_unpack else ''}{planes}) on NVIDIA"
         else:
             how = f"portable unpacking (shift, mask and select trees: {self.portable_reason})"

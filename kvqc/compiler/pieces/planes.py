@@ -62,21 +62,8 @@ def to_shared_source(side: PlaneSide) -> str:
     for k in range(entries // 32):
         asm += [f"@p ld.global.nc.b16 e, [a+{64 * k}];", f"@p st.shared.b16 [s+{64 * k}], e;"]
     asm.append("bar.sync 0;")
-    body = "\n".join(f"        {instruction}" for instruction in asm)
-    return "\n".join(lines + [
-        "    return tl.inline_asm_elementwise(",
-        '        asm="""',
-        f"        .shared .align {max(256, 2 * entries)} .b8 {symbol}[{2 * entries}];",
-        "        {",
-        body,
-        '        }""",',
-        '        constraints="=r,l",',
-        "        args=[entries_ptr.to(tl.int64)],",
-        "        dtype=tl.int32,",
-        "        is_pure=False,",
-        "        pack=1,",
-        "    )",
-    ])
+    declare = f".shared .align {max(256, 2 * entries)} .b8 {symbol}[{2 * entries}];"
+    return _call(lines, asm, "=r,l", "entries_ptr.to(tl.int64)", "tl.int32", pure=False, pack=1, declare=declare)
 
 
 def helper_source(kind: str, pairs: bool, side: PlaneSide) -> str:
@@ -307,15 +294,19 @@ def _wrap(text: str, prefix: str, width: int = 120) -> list[str]:
     return lines + [prefix + line]
 
 
-def _call(lines: list[str], asm: list[str], constraints: str, args: str, dtype: str, pure: bool) -> str:
+def _call(lines: list[str], asm: list[str], constraints: str, args: str, dtype: str, pure: bool, pack: int = 4,
+          declare: str = "") -> str:
+    """The helper's return statement after `lines`: `asm` in a block of its own, after `declare` (a declaration at
+    the kernel's scope, outside the block)."""
     body = "\n".join(f"        {instruction}" for instruction in asm)
+    start = f"\n        {declare}\n        {{" if declare else "{"
     return "\n".join(lines + [
         "    return tl.inline_asm_elementwise(",
-        f'        asm="""{{\n{body}\n        }}""",',
+        f'        asm="""{start}\n{body}\n        }}""",',
         f'        constraints="{constraints}",',
         f"        args=[{args}],",
         f"        dtype={dtype},",
         f"        is_pure={pure},",
-        "        pack=4,",
+        f"        pack={pack},",
         "    )",
     ])
